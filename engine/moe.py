@@ -1,0 +1,171 @@
+"""The decode step of one MoE layer (Algorithm 1 of the paper).
+
+`SlotSwitchGLU` takes the place of mlx-lm's `SwitchGLU` inside the model's own MoE block, so
+the router, the top-k, the score weighting and the kernels stay mlx-lm's: the wrapped
+SwitchGLU is mlx-lm's object, its three `QuantizedSwitchLinear`s pointed at the slot buffers.
+Only the expert indices change, from experts to slots, which selects the same bytes.
+"""
+
+import time
+from dataclasses import dataclass, fields
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .slots import mx_dtype
+from .store import PARTS, PROJ
+
+
+@dataclass
+class StepStats:
+    """What one decode step (all MoE layers of one token) cost the expert cache."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    stall_s: float = 0.0  # the decode thread waiting on reads it needs now
+    pread_s: float = 0.0  # summed over reader threads
+    array_s: float = 0.0  # MLX arrays made from read records (copy mode)
+    install_s: float = 0.0  # slot bookkeeping and buffer writes
+    chunks: int = 0  # extra row groups when one layer's rows need more experts than slots
+
+    def reset(self):
+        self.__init__()
+
+    def add(self, other: "StepStats"):
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _to_mx(view: np.ndarray, dtype: str):
+    a = mx.array(view)
+    return a.view(mx_dtype(dtype)) if dtype == "bfloat16" else a
+
+
+class ExpertCache:
+    """The engine-wide half of Algorithm 1: makes a layer's experts resident.
+
+    Holds the store, one slot table per MoE layer and the prefetcher, and accounts every
+    token's hits, misses, bytes and stall in `stats`.
+    """
+
+    def __init__(self, store, tables, prefetcher):
+        self.store = store
+        self.tables = tables
+        self.prefetcher = prefetcher
+        self.stats = StepStats()
+
+    def fill(self, layer: int):
+        """Load every expert of a layer into slot e = expert e (the S = E table)."""
+        table = self.tables[layer]
+        for e in range(table.num_experts):
+            table.claim(e)
+        futures = [self.store.submit(layer, e, table.dests(e)) for e in range(table.num_experts)]
+        for f in futures:
+            f.result()
+        table.bytes_read += table.num_experts * self.store.expert_bytes
+
+    def ensure(self, layer: int, experts: np.ndarray, hidden=None):
+        """Lines 11-14 of Algorithm 1 for the unique experts `experts` of this layer's rows."""
+        table, st = self.tables[layer], self.stats
+        # line 12: install finished prefetches; wait for in-flight experts we need (late)
+        self.prefetcher.drain(layer, experts, self)
+        # line 13: predict and issue layer l+d's prefetch before this layer's compute
+        self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+        # line 14: read the misses as one batch and install them
+        resident = table.slot_of[experts] >= 0
+        misses = [int(e) for e in experts[~resident]]
+        nhit = int(resident.sum())
+        table.hits += nhit
+        st.hits += nhit
+        table.touch(experts[resident])
+        if misses:
+            self.read_misses(layer, misses, protected=set(experts.tolist()))
+
+    def read_misses(self, layer: int, misses, protected):
+        table, st, store = self.tables[layer], self.stats, self.store
+        t0 = time.perf_counter()
+        slots = [table.claim(e, protected) for e in misses]
+        t1 = time.perf_counter()
+        try:
+            if table.install_mode == "inplace":
+                futures = [store.submit(layer, e, table.dests(s)) for e, s in zip(misses, slots)]
+                seconds = [f.result() for f in futures]
+                t2 = t3 = time.perf_counter()
+            else:
+                views, seconds = store.read_batch(layer, misses)
+                t2 = time.perf_counter()
+                arrays = [[_to_mx(v, t.dtype) for v, t in zip(views[e], table.tensors)] for e in misses]
+                t3 = time.perf_counter()
+                for s, arrs in zip(slots, arrays):
+                    table.install_arrays(s, arrs)
+        except BaseException:
+            for e in misses:
+                table.release(e)
+            raise
+        t4 = time.perf_counter()
+        n = len(misses)
+        table.misses += n
+        table.bytes_read += n * store.expert_bytes
+        st.misses += n
+        st.bytes_read += n * store.expert_bytes
+        st.stall_s += t2 - t1
+        st.pread_s += sum(seconds)
+        st.array_s += t3 - t2
+        st.install_s += (t1 - t0) + (t4 - t3)
+
+
+def row_chunks(indices: np.ndarray, slots: int):
+    """Split rows (R x K) into consecutive groups whose unique experts fit in `slots`.
+    Decode (one row) is always one group; a long prefill on a small table may need several."""
+    groups, start, seen = [], 0, set()
+    for r, row in enumerate(indices):
+        new = seen | set(row.tolist())
+        if len(new) > slots and r > start:
+            groups.append((start, r))
+            start, new = r, set(row.tolist())
+        seen = new
+    groups.append((start, len(indices)))
+    return groups
+
+
+class SlotSwitchGLU(nn.Module):
+    """mlx-lm's SwitchGLU computing over a slot table (lines 9-16 of Algorithm 1)."""
+
+    def __init__(self, glu, table, cache: ExpertCache, layer: int):
+        super().__init__()
+        for (proj, part), buf in zip(((p, q) for p in PROJ for q in PARTS), table.buffers):
+            getattr(glu, proj)[part] = buf
+        self.glu = glu
+        self._table = table
+        self._cache = cache
+        self._layer = layer
+
+    def __call__(self, x, indices):
+        table = self._table
+        if table.full:
+            # line 9: slot e holds expert e; straight to the kernels, no host synchronisation
+            return self.glu(x, indices)
+        idx = np.array(indices)  # line 11: the one unavoidable synchronisation
+        k, d = idx.shape[-1], x.shape[-1]
+        flat = idx.reshape(-1, k)
+        groups = row_chunks(flat, table.slots)
+        if len(groups) == 1:
+            self._cache.ensure(self._layer, np.unique(flat), x)
+            # lines 15-16: same kernel, same bytes as mlx-lm
+            return self.glu(x, mx.array(table.slot_indices(idx)))
+        # More experts than slots among these rows (a long prefill on a small table): each
+        # group runs on its own and is evaluated before the next one reuses the slots.
+        xf = x.reshape(-1, d)
+        outs = []
+        for a, b in groups:
+            self._cache.ensure(self._layer, np.unique(flat[a:b]), xf[a:b])
+            y = self.glu(xf[a:b], mx.array(table.slot_indices(flat[a:b])))
+            mx.eval(y)
+            outs.append(y)
+        self._cache.stats.chunks += len(groups) - 1
+        return mx.concatenate(outs, axis=0).reshape(*idx.shape, d)

@@ -1,0 +1,163 @@
+"""The runtime: wraps an mlx-lm model, swaps its MoE blocks' experts for slot tables backed by
+the expert store, and runs greedy decoding with per-token figures."""
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from . import registry, store as store_mod
+from .moe import ExpertCache, SlotSwitchGLU, StepStats
+from .prefetch import NoPrefetch
+from .slots import SlotTable
+
+
+@dataclass
+class EngineConfig:
+    slots: int | None = None  # None: every expert resident (S = E)
+    tier: str = "page_cache"
+    install: str = "inplace"
+    readers: int = 4
+    eviction: str = "lru"
+    verify: str = "first"
+
+
+def store_dir(model_id: str) -> Path:
+    return registry.resources_dir() / "stores" / model_id
+
+
+def open_store(model_id: str, model, model_path, tier="page_cache", readers=4, verify="first", build=True):
+    """Open a model's expert store, building it first if it does not exist."""
+    path = store_dir(model_id)
+    if not (path / "index.json").exists():
+        if not build:
+            raise store_mod.StoreError(f"{path}: no store; run `python -m engine store build {model_id}`")
+        print(f"[titan] building the expert store of {model_id} into {path} ...", flush=True)
+        store_mod.build(model, model_path, path, model_id)
+    return store_mod.Store(path, model_path=model_path, tier=tier, readers=readers, verify=verify)
+
+
+class Engine:
+    """An mlx-lm model whose experts live in slot tables filled from the expert store."""
+
+    def __init__(self, model, tokenizer, spec, model_path, config: EngineConfig, prefetcher=None):
+        self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
+        blocks = store_mod.moe_layers(model)
+        first = blocks[0][1]
+        num_experts = first.gate_proj["weight"].shape[0]
+        top_k = model.layers[blocks[0][0]].mlp.top_k
+        slots = num_experts if config.slots is None else config.slots
+        if slots < top_k:
+            raise ValueError(
+                f"slots ({slots}) < top_k ({top_k}): every expert a token routes to must be resident at once"
+            )
+        if slots > num_experts:
+            raise ValueError(f"slots ({slots}) exceeds the number of experts per layer ({num_experts})")
+        self.num_experts, self.top_k, self.slots = num_experts, top_k, slots
+        self.store = open_store(spec["id"], model, model_path, config.tier, config.readers, config.verify)
+        if self.store.num_layers != len(blocks):
+            raise store_mod.StoreError(f"{self.store.path}: {self.store.num_layers} MoE layers, model has {len(blocks)}")
+        self.tables = [
+            SlotTable(o, num_experts, slots, self.store.tensors, config.eviction, config.install)
+            for o in range(len(blocks))
+        ]
+        self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch())
+        for o, (li, glu) in enumerate(blocks):
+            model.layers[li].mlp.switch_mlp = SlotSwitchGLU(glu, self.tables[o], self.cache, o)
+            if self.tables[o].full:
+                self.cache.fill(o)
+        # Everything but the experts (which were never materialised) loads now.
+        mx.eval(model.parameters())
+
+    @classmethod
+    def load(cls, model_id: str, config: EngineConfig | None = None, prefetcher=None):
+        model, tokenizer, spec, path = registry.load(model_id, lazy=True)
+        return cls(model, tokenizer, spec, path, config or EngineConfig(), prefetcher)
+
+    def counters(self) -> dict:
+        total = {}
+        for t in self.tables:
+            for k, v in t.counters().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self):
+        self.cache.prefetcher.close()
+        self.store.close()
+
+
+def load_reference(model_id: str):
+    """The unmodified mlx-lm model, every expert in memory: the bit-exactness reference."""
+    model, tokenizer, spec, _ = registry.load(model_id)
+    return model, tokenizer, spec
+
+
+def step_stats(model) -> StepStats:
+    """The running StepStats of an engine model (a fresh, unused one for plain mlx-lm)."""
+    for layer in model.layers:
+        sw = getattr(layer.mlp, "switch_mlp", None)
+        if isinstance(sw, SlotSwitchGLU):
+            return sw._cache.stats
+    return StepStats()
+
+
+def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, eos_id=None):
+    """Greedy decoding: one prefill over the prompt, then `max_tokens` single-token steps.
+
+    Works on an engine model and on plain mlx-lm alike. With `forced`, those tokens are fed
+    instead of the model's own choices (teacher forcing, to compare two models step by step).
+    Returns the generated tokens, one record per step (index 0 is the prefill) and, with
+    `keep_logits`, the float32 logits of every step.
+    """
+    cache = make_prompt_cache(model)
+    stats = step_stats(model)
+    records, logits_out, tokens = [], [], []
+    inp = mx.array(prompt_ids, dtype=mx.uint32)[None]
+    for step in range(max_tokens + 1):
+        stats.reset()
+        t0 = time.perf_counter()
+        logits = model(inp, cache=cache)
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.eval(y, logits)
+        dt = time.perf_counter() - t0
+        rec = dict(step=step, phase="prefill" if step == 0 else "decode", rows=inp.shape[1], seconds=dt)
+        rec.update(stats.as_dict())
+        records.append(rec)
+        if keep_logits:
+            logits_out.append(np.array(logits.astype(mx.float32))[0])
+        tok = int(y.item()) if forced is None else int(forced[step])
+        tokens.append(tok)
+        if eos_id is not None and tok == eos_id:
+            break
+        inp = mx.array([[tok]], dtype=mx.uint32)
+    return tokens, records, logits_out
+
+
+def summarize(records) -> dict:
+    """Decode-phase figures: tokens/s, hit rate, bytes and stall per token, per-miss split."""
+    dec = [r for r in records if r["phase"] == "decode"]
+    if not dec:
+        return {}
+    n = len(dec)
+    secs = sum(r["seconds"] for r in dec)
+    hits, misses = sum(r["hits"] for r in dec), sum(r["misses"] for r in dec)
+    out = dict(
+        tokens=n,
+        tok_s=n / secs,
+        hits=hits,
+        misses=misses,
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        bytes_read_per_token=sum(r["bytes_read"] for r in dec) / n,
+        stall_s_per_token=sum(r["stall_s"] for r in dec) / n,
+    )
+    if misses:
+        for k in ("pread_s", "array_s", "install_s", "stall_s"):
+            out[f"per_miss_{k[:-2]}_ms"] = 1e3 * sum(r[k] for r in dec) / misses
+    return out
+
+
+def config_dict(config: EngineConfig) -> dict:
+    return asdict(config)

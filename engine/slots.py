@@ -1,0 +1,138 @@
+"""Slot tables: per MoE layer, one stacked buffer of S slots for each expert tensor.
+
+The buffers are the very arrays mlx-lm's `gather_qmm` reads (the engine points the model's
+SwitchGLU at them), so a resident expert is computed on exactly the bytes mlx-lm would use.
+
+Two install modes:
+- `inplace` (default): the store's `preadv` lands straight in a slot's memory through a
+  writable view of the evaluated MLX buffer; no array is created and nothing is copied again.
+  Safe because a slot is only written at a layer's host synchronisation, when no pending MLX
+  work reads this layer's buffers.
+- `copy`: the paper's path: the read lands in a NumPy record, the consuming thread creates
+  MLX arrays and writes them with `buffer[slot] = array`, lazily (MLX reuses the buffer).
+"""
+
+from collections import OrderedDict
+
+import numpy as np
+
+INSTALL_MODES = ("inplace", "copy")
+
+
+class LRU:
+    """Evict the least recently used expert."""
+
+    def __init__(self, slots: int):
+        self._order = OrderedDict()
+
+    def touch(self, expert: int):
+        self._order[expert] = None
+        self._order.move_to_end(expert)
+
+    def remove(self, expert: int):
+        self._order.pop(expert, None)
+
+    def victim(self, protected) -> int:
+        for e in self._order:
+            if e not in protected:
+                return e
+        raise RuntimeError("every resident expert is protected: no slot can be evicted")
+
+
+POLICIES = {"lru": LRU}
+
+
+def make_policy(name: str, slots: int):
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
+    return POLICIES[name](slots)
+
+
+def mx_dtype(name: str):
+    import mlx.core as mx
+
+    return getattr(mx, name)
+
+
+class SlotTable:
+    """S slots for one MoE layer, the map expert -> slot, an eviction policy and counters."""
+
+    def __init__(self, layer: int, num_experts: int, slots: int, tensors, policy="lru", install="inplace"):
+        import mlx.core as mx
+
+        if install not in INSTALL_MODES:
+            raise ValueError(f"install must be one of {INSTALL_MODES}, not {install!r}")
+        if not 1 <= slots <= num_experts:
+            raise ValueError(f"slots must be between 1 and {num_experts}, not {slots}")
+        self.layer = layer
+        self.num_experts = num_experts
+        self.slots = slots
+        self.tensors = list(tensors)
+        self.install_mode = install
+        self.buffers = [mx.zeros((slots, *t.shape), dtype=mx_dtype(t.dtype)) for t in self.tensors]
+        mx.eval(self.buffers)
+        # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
+        self._rows = [memoryview(b).cast("B") for b in self.buffers]
+        self.slot_of = np.full(num_experts, -1, np.int64)
+        self.expert_in = np.full(slots, -1, np.int64)
+        self.policy = make_policy(policy, slots)
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
+
+    @property
+    def full(self) -> bool:
+        """Every expert has its own slot: slot e holds expert e and no remapping is needed."""
+        return self.slots == self.num_experts
+
+    def resident(self, expert: int) -> bool:
+        return self.slot_of[expert] >= 0
+
+    def dests(self, slot: int) -> list:
+        """Writable views of one slot's nine tensors, in store order (for one `preadv`)."""
+        if self._rows is None:
+            raise RuntimeError("slot memory was replaced by a copy-mode install: no direct writes")
+        return [row[slot * t.nbytes : (slot + 1) * t.nbytes] for row, t in zip(self._rows, self.tensors)]
+
+    def touch(self, experts):
+        for e in experts:
+            self.policy.touch(int(e))
+
+    def claim(self, expert: int, protected=()) -> int:
+        """Map `expert` to a free slot, or evict the policy's victim outside `protected`."""
+        free = np.flatnonzero(self.expert_in < 0)
+        if len(free):
+            slot = int(free[0])
+        else:
+            victim = self.policy.victim(protected)
+            slot = int(self.slot_of[victim])
+            self.slot_of[victim] = -1
+            self.policy.remove(victim)
+            self.evictions += 1
+        self.slot_of[expert] = slot
+        self.expert_in[slot] = expert
+        self.policy.touch(expert)
+        return slot
+
+    def release(self, expert: int):
+        """Forget an expert whose bytes never arrived (a failed read)."""
+        slot = self.slot_of[expert]
+        if slot >= 0:
+            self.expert_in[slot] = -1
+            self.slot_of[expert] = -1
+            self.policy.remove(expert)
+
+    def install_arrays(self, slot: int, arrays):
+        """Copy mode: write MLX arrays (made in this thread) into a slot, lazily."""
+        self._rows = None  # `buf[slot] = a` makes new buffers: the byte views would go stale
+        for buf, a in zip(self.buffers, arrays):
+            buf[slot] = a
+
+    def slot_indices(self, indices: np.ndarray) -> np.ndarray:
+        """The router's expert indices remapped to slots; every expert must be resident."""
+        slots = self.slot_of[indices]
+        if (slots < 0).any():
+            missing = sorted(set(indices[slots < 0].tolist()))
+            raise RuntimeError(f"MoE layer {self.layer}: experts {missing} are not resident")
+        return slots.astype(np.uint32)
+
+    def counters(self) -> dict:
+        return dict(hits=self.hits, misses=self.misses, evictions=self.evictions, bytes_read=self.bytes_read)
