@@ -42,13 +42,7 @@ def validate(data, source) -> dict:
     errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:
         err = errors[0]
-        # oneOf hides the useful message in its context: report the deepest one.
-        if err.context:
-            err = max(err.context, key=lambda e: len(e.absolute_path))
-            path = list(errors[0].absolute_path) + list(err.absolute_path)
-        else:
-            path = list(err.absolute_path)
-        raise RegistryError(f"{source}: field {_field(path)}: {err.message}")
+        raise RegistryError(f"{source}: field {_field(err.absolute_path)}: {err.message}")
     for mid, spec in data["models"].items():
         if spec["kind"] != "embedded":
             continue

@@ -264,13 +264,13 @@ class Store:
         views = {e: self.views(r) for e, r in zip(experts, records)} if records is not None else None
         return views, seconds
 
-    def verify_all(self):
+    def verify_all(self, layers=None):
         """Check every expert's checksum; raises StoreError naming the first bad one."""
         saved = self.verify
         self.verify = "always"
         try:
             rec = self.empty_record()
-            for li in range(self.num_layers):
+            for li in range(self.num_layers) if layers is None else layers:
                 for e in range(self.num_experts(li)):
                     self.read_into(li, e, [rec])
         finally:

@@ -1,0 +1,155 @@
+"""Command line: python -m engine {list,build,pin,store,decode,bench} ..."""
+
+import argparse
+import json
+import sys
+
+from . import registry
+
+
+def _add_engine_args(p):
+    p.add_argument("--model", default="olmoe-tiny", help="model id from configs/models.yaml (default: olmoe-tiny)")
+    p.add_argument("--slots", type=int, default=None, help="slots per MoE layer (default: every expert)")
+    p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache", help="storage tier of the expert store")
+    p.add_argument("--install", choices=["inplace", "copy"], default="inplace",
+                   help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write")
+    p.add_argument("--readers", type=int, default=4, help="reader threads of the expert store")
+    p.add_argument("--eviction", default="lru", help="eviction policy of the slot tables")
+    p.add_argument("--verify", choices=["first", "always", "never"], default="first",
+                   help="check an expert's checksum on its first read (default), every read, or never")
+
+
+def _engine_config(a):
+    from .runtime import EngineConfig
+
+    return EngineConfig(slots=a.slots, tier=a.tier, install=a.install, readers=a.readers, eviction=a.eviction, verify=a.verify)
+
+
+def cmd_list(a):
+    for mid, spec in registry.load_registry().items():
+        if spec["kind"] == "real":
+            state = f"{spec['repo']} @ {spec['revision'] or 'not pinned'}"
+        else:
+            built = (registry.resources_dir() / "models" / mid / "titan-build.json").exists()
+            state = f"{spec['architecture']} {spec['dtype']} E={spec['experts']} K={spec['top_k']} L={spec['layers']} " + (
+                "built" if built else "not built")
+        print(f"{mid:24s} {spec['kind']:9s} {state}")
+
+
+def cmd_build(a):
+    from . import embedded
+
+    spec = registry.get_spec(a.model)
+    if spec["kind"] != "embedded":
+        raise registry.RegistryError(f"model '{a.model}' is real: it is pinned and loaded, never built")
+    out = registry.resources_dir() / "models" / a.model
+    if a.force or not out.exists():
+        embedded.build(spec, out)
+    else:
+        embedded.check_or_build(spec, out)
+    print(out)
+
+
+def cmd_pin(a):
+    rev = registry.pin(a.model)
+    print(f"{a.model}: revision {rev} written to {registry.config_path()}")
+
+
+def cmd_store(a):
+    from . import store
+    from .runtime import open_store, store_dir
+
+    model, _, spec, path = registry.load(a.model, lazy=True)
+    if a.action == "build":
+        if a.force or not (store_dir(a.model) / "index.json").exists():
+            store.build(model, path, store_dir(a.model), a.model)
+        print(store_dir(a.model))
+    else:
+        with open_store(a.model, model, path, build=False) as s:
+            s.verify_all()
+            print(f"{s.path}: {sum(l['experts'] for l in s.layers)} experts in {s.num_layers} layers verified")
+
+
+def cmd_decode(a):
+    from .runtime import Engine, decode, summarize
+
+    eng = Engine.load(a.model, _engine_config(a))
+    try:
+        tok = eng.tokenizer
+        ids = tok.encode(a.prompt)
+        tokens, records, _ = decode(eng.model, ids, a.tokens, eos_id=tok.eos_token_id if a.stop_at_eos else None)
+        s = summarize(records)
+        if a.json:
+            print(json.dumps(dict(summary=s, counters=eng.counters(), steps=records, text=tok.decode(tokens))))
+            return
+        print(a.prompt + tok.decode(tokens))
+        print("---")
+        hr = "n/a (all resident)" if s.get("hit_rate") is None else f"{s['hit_rate']:.3f}"
+        print(f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={a.install}: "
+              f"{s['tok_s']:.2f} tok/s over {s['tokens']} tokens, hit rate {hr}, "
+              f"{s['bytes_read_per_token'] / 1e6:.2f} MB read/token, stall {1e3 * s['stall_s_per_token']:.2f} ms/token")
+        if s.get("misses"):
+            print(f"per miss: pread {s['per_miss_pread_ms']:.3f} ms (summed over readers), "
+                  f"array {s['per_miss_array_ms']:.3f} ms, install {s['per_miss_install_ms']:.3f} ms, "
+                  f"stall {s['per_miss_stall_ms']:.3f} ms")
+        print("counters: " + " ".join(f"{k}={v}" for k, v in eng.counters().items()))
+    finally:
+        eng.close()
+
+
+def cmd_bench(a):
+    from . import bench
+
+    bench.main(a)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("list", help="the models of configs/models.yaml")
+    p.set_defaults(fn=cmd_list)
+
+    p = sub.add_parser("build", help="build an embedded model (deterministic from its spec and seed)")
+    p.add_argument("model")
+    p.add_argument("--force", action="store_true", help="rebuild even if built")
+    p.set_defaults(fn=cmd_build)
+
+    p = sub.add_parser("pin", help="write the commit of the locally cached copy of a real model into configs/models.yaml")
+    p.add_argument("model")
+    p.set_defaults(fn=cmd_pin)
+
+    p = sub.add_parser("store", help="build or verify a model's expert store")
+    p.add_argument("action", choices=["build", "verify"])
+    p.add_argument("model")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.set_defaults(fn=cmd_store)
+
+    p = sub.add_parser("decode", help="greedy decoding through the engine; prints the text and tok/s")
+    _add_engine_args(p)
+    p.add_argument("--tokens", type=int, default=64, help="tokens to generate after the prompt")
+    p.add_argument("--prompt", default="The Python language", help="prompt text")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop at the end-of-text token")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every step's figures")
+    p.set_defaults(fn=cmd_decode)
+
+    p = sub.add_parser("bench", help="engine-core benchmarks: throughput, per-miss cost, install cost")
+    from . import bench
+
+    bench.add_args(p)
+    p.set_defaults(fn=cmd_bench)
+
+    a = ap.parse_args(argv)
+    try:
+        a.fn(a)
+    except (registry.RegistryError, ValueError, RuntimeError, OSError) as e:
+        from .store import StoreError
+
+        if isinstance(e, (registry.RegistryError, StoreError, ValueError, FileNotFoundError)):
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

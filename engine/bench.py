@@ -1,0 +1,194 @@
+"""Engine-core benchmarks, each measured side by side in one run:
+
+- `throughput`: decode tokens/s of the engine at S = E (and optional smaller S) against plain
+  mlx-lm on the same model, prompt and loop, interleaved;
+- `miss`: the per-miss cost of the engine's read path against a raw `os.preadv` of the same
+  bytes into a preallocated buffer;
+- `install`: the cost of installing one expert into a table of 8 and of 64 slots.
+
+Speed is reported, never asserted: the machines are noisy.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def add_args(p):
+    p.add_argument("which", choices=["throughput", "miss", "install"])
+    p.add_argument("--model", default=None,
+                   help="model id (default: olmoe-tiny-f32 for throughput, olmoe-1b-7b-shape for miss/install)")
+    p.add_argument("--tokens", type=int, default=32, help="throughput: tokens per decode")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
+    p.add_argument("--slots", type=int, nargs="*", default=[], help="throughput: also run the engine at these S")
+    p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
+    p.add_argument("--readers", type=int, nargs="*", default=[1, 4], help="miss: reader-thread counts to measure")
+    p.add_argument("--out", default=None, help="append the result as one JSON line to this file")
+
+
+def _median(xs):
+    return statistics.median(xs)
+
+
+def throughput(a):
+    from . import runtime
+
+    mid = a.model or "olmoe-tiny-f32"
+    ref, tok, spec = runtime.load_reference(mid)
+    engines = {"S=E": runtime.Engine.load(mid, runtime.EngineConfig())}
+    for s in a.slots:
+        engines[f"S={s}"] = runtime.Engine.load(mid, runtime.EngineConfig(slots=s, tier=a.tier))
+    ids = tok.encode("The Python language reference describes the syntax and semantics of the language.")
+    runs = {"mlx-lm": [], **{k: [] for k in engines}}
+    extra = {k: [] for k in engines}
+    runtime.decode(ref, ids, 4)  # warm-up: first-call compilation
+    for e in engines.values():
+        runtime.decode(e.model, ids, 4)
+    for _ in range(a.repeats):
+        runs["mlx-lm"].append(runtime.summarize(runtime.decode(ref, ids, a.tokens)[1])["tok_s"])
+        for k, e in engines.items():
+            s = runtime.summarize(runtime.decode(e.model, ids, a.tokens)[1])
+            runs[k].append(s["tok_s"])
+            extra[k].append(s)
+    for e in engines.values():
+        e.close()
+    res = {k: _median(v) for k, v in runs.items()}
+    out = dict(bench="throughput", model=mid, tokens=a.tokens, repeats=a.repeats, tok_s=res, tok_s_runs=runs,
+               ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"],
+               hit_rate={k: v[-1].get("hit_rate") for k, v in extra.items()})
+    print(f"{mid}: median decode tok/s over {a.repeats} interleaved runs of {a.tokens} tokens")
+    for k, v in res.items():
+        print(f"  {k:8s} {v:9.2f} tok/s")
+    print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
+    return out
+
+
+def _expert_batches(num_experts, k, n):
+    """n batches of k distinct experts, consecutive batches disjoint (every read misses)."""
+    order = np.arange(num_experts)
+    return [[int(order[(i * k + j) % num_experts]) for j in range(k)] for i in range(n)]
+
+
+def miss(a):
+    from . import registry
+    from .moe import ExpertCache
+    from .prefetch import NoPrefetch
+    from .runtime import open_store
+    from .slots import SlotTable
+
+    mid = a.model or "olmoe-1b-7b-shape"
+    model, _, spec, path = registry.load(mid, lazy=True)
+    stores = {r: open_store(mid, model, path, tier=a.tier, readers=r) for r in a.readers}
+    store = stores[max(a.readers)]
+    del model
+    E, K = store.num_experts(0), 8
+    batches = _expert_batches(E, K, a.repeats * (E // K))
+    # Checksums are verified on an expert's first read: do it before timing (it warms the
+    # page cache too, which is the page_cache tier's premise).
+    for s in stores.values():
+        s.verify_all(layers=[0])
+    raw_buf = store.empty_record()
+    fd = store._fds[0]
+    results = {"raw_preadv": []}
+    for r in a.readers:
+        results[f"engine_inplace_r{r}"] = []
+    results["engine_copy"] = []
+    split = {"pread": [], "array": [], "install": []}
+    tables = {}
+    for r in a.readers + ["copy"]:
+        t = SlotTable(0, E, K, store.tensors, install="copy" if r == "copy" else "inplace")
+        tables[r] = t
+    for batch in batches:
+        # raw: one preadv per expert into one preallocated buffer, sequentially
+        t0 = time.perf_counter()
+        for e in batch:
+            if a.tier == "cold":
+                os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
+            os.preadv(fd, [raw_buf], e * store.record_bytes)
+        results["raw_preadv"].append((time.perf_counter() - t0) / K)
+        for r in a.readers + ["copy"]:
+            cache = ExpertCache(stores[max(a.readers) if r == "copy" else r], [tables[r]], NoPrefetch())
+            t0 = time.perf_counter()
+            cache.read_misses(0, batch, protected=set(batch))
+            if r == "copy":
+                import mlx.core as mx
+
+                mx.eval(tables[r].buffers)  # the lazy install, so that its cost is counted here
+            wall = (time.perf_counter() - t0) / K
+            results["engine_copy" if r == "copy" else f"engine_inplace_r{r}"].append(wall)
+            if r == "copy":
+                st = cache.stats
+                split["pread"].append(st.pread_s / K)
+                split["array"].append(st.array_s / K)
+                split["install"].append(wall - (st.stall_s + st.array_s) / K)
+    for s in stores.values():
+        s.close()
+    med = {k: 1e3 * _median(v) for k, v in results.items()}
+    out = dict(bench="miss", model=mid, tier=a.tier, expert_bytes=store.expert_bytes, batch=K,
+               batches=len(batches), per_miss_ms=med,
+               copy_split_ms={k: 1e3 * _median(v) for k, v in split.items()},
+               ratio_vs_raw={k: v / med["raw_preadv"] for k, v in med.items()})
+    print(f"{mid}: per-miss cost of one {store.expert_bytes:,}-byte expert, tier {a.tier}, median of {len(batches)} batches of {K}")
+    for k, v in med.items():
+        print(f"  {k:20s} {v:7.3f} ms   x{out['ratio_vs_raw'][k]:.2f} of raw preadv")
+    print("  copy mode split: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out["copy_split_ms"].items()))
+    return out
+
+
+def install(a):
+    import mlx.core as mx
+
+    from . import registry
+    from .moe import _to_mx
+    from .runtime import open_store
+    from .slots import SlotTable
+
+    mid = a.model or "olmoe-1b-7b-shape"
+    model, _, spec, path = registry.load(mid, lazy=True)
+    store = open_store(mid, model, path, readers=1)
+    del model
+    E = store.num_experts(0)
+    views, _ = store.read_batch(0, range(8))
+    per = {}
+    for S in (8, 64):
+        for mode in ("inplace", "copy"):
+            t = SlotTable(0, E, S, store.tensors, install=mode)
+            times = []
+            for i in range(a.repeats * 8):
+                e, slot = i % 8, (i * 7) % S
+                t0 = time.perf_counter()
+                if mode == "inplace":
+                    for d, v in zip(t.dests(slot), views[e]):
+                        d[:] = v.reshape(-1).view(np.uint8)
+                else:
+                    t.install_arrays(slot, [_to_mx(v, ts.dtype) for v, ts in zip(views[e], store.tensors)])
+                    mx.eval(t.buffers)
+                times.append(time.perf_counter() - t0)
+            per[f"{mode}_S{S}"] = 1e3 * _median(times)
+            del t
+            mx.clear_cache()
+    store.close()
+    out = dict(bench="install", model=mid, expert_bytes=store.expert_bytes, install_ms=per,
+               ratio_S64_vs_S8={m: per[f"{m}_S64"] / per[f"{m}_S8"] for m in ("inplace", "copy")})
+    buf_mb = {S: S * store.expert_bytes / 1e6 for S in (8, 64)}
+    print(f"{mid}: installing one {store.expert_bytes:,}-byte expert (median of {a.repeats * 8})")
+    for k, v in per.items():
+        S = int(k.rsplit("S", 1)[1])
+        print(f"  {k:12s} {v:7.3f} ms  (buffer {buf_mb[S]:.0f} MB)")
+    for m, r in out["ratio_S64_vs_S8"].items():
+        print(f"  {m}: S=64 / S=8 = {r:.2f}")
+    return out
+
+
+def main(a):
+    from . import provenance
+
+    out = {"throughput": throughput, "miss": miss, "install": install}[a.which](a)
+    if a.out:
+        rec = provenance.stamp(out, command=sys.argv, seed=None)
+        with open(a.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")

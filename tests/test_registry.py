@@ -1,0 +1,164 @@
+"""The registry: every bad input gets a clear error naming the file, line or field."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from engine import embedded, registry
+from engine.registry import RegistryError
+
+REAL = "olmoe-1b-7b-4bit"
+HASH = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def models_file(tmp_path, monkeypatch):
+    """A private copy of configs/models.yaml, used by the registry for this test."""
+    p = tmp_path / "models.yaml"
+    p.write_text(registry.config_path().read_text())
+    monkeypatch.setenv("TITAN_MODELS", str(p))
+    return p
+
+
+def edit(path, fn):
+    data = yaml.safe_load(path.read_text())
+    fn(data["models"])
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_shipped_config_is_valid():
+    models = registry.load_registry()
+    assert {"olmoe-tiny", "qwen3moe-tiny", "olmoe-1b-7b-shape", REAL, "qwen3-30b-a3b-4bit"} <= set(models)
+    assert models["olmoe-1b-7b-shape"]["hidden"] == 2048 and models["olmoe-1b-7b-shape"]["vocab"] == 50304
+
+
+def test_unknown_model_lists_known():
+    with pytest.raises(RegistryError, match=r"unknown model 'mixtral'.*olmoe-tiny"):
+        registry.get_spec("mixtral")
+
+
+def test_malformed_yaml_names_line(models_file):
+    models_file.write_text("models:\n  a:\n    kind: real\n   repo: x\n")
+    with pytest.raises(RegistryError, match=r"models\.yaml: line \d+: not valid YAML"):
+        registry.load_registry()
+
+
+def test_bad_field_is_named(models_file):
+    edit(models_file, lambda m: m["olmoe-tiny"].update(experts="many"))
+    with pytest.raises(RegistryError, match=r"field models\.olmoe-tiny\.experts: 'many' is not of type 'integer'"):
+        registry.load_registry()
+
+
+def test_top_k_above_experts(models_file):
+    edit(models_file, lambda m: m["olmoe-tiny"].update(top_k=65))
+    with pytest.raises(RegistryError, match=r"models\.olmoe-tiny\.top_k: 65 exceeds experts"):
+        registry.load_registry()
+
+
+def test_malformed_revision_is_refused(models_file):
+    edit(models_file, lambda m: m[REAL].update(revision="main"))
+    with pytest.raises(RegistryError, match=r"field models\.olmoe-1b-7b-4bit\.revision: 'main' does not match"):
+        registry.load_registry()
+
+
+def test_unpinned_real_model_says_how_to_get_it(models_file):
+    with pytest.raises(RegistryError, match=r"no pinned revision.*hf download mlx-community/.*python -m engine pin"):
+        registry.model_dir(REAL)
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(registry, "_hf_cache", lambda: cache)
+    return cache
+
+
+def fake_snapshot(cache, repo, rev, weights=True):
+    root = cache / ("models--" + repo.replace("/", "--"))
+    snap = root / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    if weights:
+        (snap / "model.safetensors").write_bytes(b"")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_pinned_but_not_cached(models_file, hf_cache):
+    edit(models_file, lambda m: m[REAL].update(revision=HASH))
+    with pytest.raises(RegistryError, match=rf"at revision {HASH}\) is not in the local Hugging Face cache"):
+        registry.model_dir(REAL)
+
+
+def test_cached_at_another_revision_is_not_used(models_file, hf_cache):
+    repo = registry.get_spec(REAL)["repo"]
+    fake_snapshot(hf_cache, repo, "f" * 40)
+    edit(models_file, lambda m: m[REAL].update(revision=HASH))
+    with pytest.raises(RegistryError, match="not in the local Hugging Face cache"):
+        registry.model_dir(REAL)
+
+
+def test_pin_writes_the_cached_commit(models_file, hf_cache):
+    repo = registry.get_spec(REAL)["repo"]
+    snap = fake_snapshot(hf_cache, repo, HASH)
+    before = models_file.read_text()
+    assert registry.pin(REAL) == HASH
+    after = models_file.read_text()
+    assert f"revision: {HASH}" in after
+    # only that one line changed: comments and the other models are kept
+    assert [l for l in before.splitlines() if "revision" not in l] == [l for l in after.splitlines() if "revision" not in l]
+    assert registry.model_dir(REAL) == snap
+
+
+def test_pin_without_cache(models_file, hf_cache):
+    with pytest.raises(RegistryError, match="not in the local Hugging Face cache"):
+        registry.pin(REAL)
+
+
+def test_cached_without_weights(models_file, hf_cache):
+    repo = registry.get_spec(REAL)["repo"]
+    fake_snapshot(hf_cache, repo, HASH, weights=False)
+    edit(models_file, lambda m: m[REAL].update(revision=HASH))
+    with pytest.raises(RegistryError, match="no model\\*.safetensors"):
+        registry.model_dir(REAL)
+
+
+def test_embedded_builds_are_byte_identical(tmp_path):
+    spec = registry.get_spec("qwen3moe-tiny")
+    a, b = embedded.build(spec, tmp_path / "a"), embedded.build(spec, tmp_path / "b")
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b)) and "model.safetensors" in names and "tokenizer.json" in names
+    for n in names:
+        assert hashlib.sha256((a / n).read_bytes()).digest() == hashlib.sha256((b / n).read_bytes()).digest(), n
+
+
+def test_other_seed_other_weights(tmp_path):
+    spec = registry.get_spec("qwen3moe-tiny")
+    a = embedded.build(spec, tmp_path / "a")
+    b = embedded.build(dict(spec, seed=1), tmp_path / "b")
+    assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
+
+
+def test_embedded_uses_mlx_lm_classes_and_quantization():
+    from mlx_lm.models import olmoe, qwen3_moe
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    for mid, cls, dtype in (("olmoe-tiny", olmoe.Model, "float16"), ("qwen3moe-tiny", qwen3_moe.Model, "bfloat16")):
+        model, tok, spec, _ = registry.load(mid)
+        assert type(model) is cls
+        sw = model.layers[0].mlp.switch_mlp.gate_proj
+        assert isinstance(sw, QuantizedSwitchLinear) and (sw.bits, sw.group_size, sw.mode) == (4, 64, "affine")
+        assert str(sw.scales.dtype).endswith(dtype)
+        assert tok.decode(tok.encode("def f(x): return x")) == "def f(x): return x"
+
+
+def test_build_from_another_spec_is_refused(tmp_path):
+    spec = registry.get_spec("qwen3moe-tiny")
+    out = embedded.build(spec, tmp_path / "m")
+    with pytest.raises(RegistryError, match="built from another spec.*--force"):
+        embedded.check_or_build(dict(spec, layers=4), out)

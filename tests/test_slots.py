@@ -1,0 +1,99 @@
+"""Slot tables: one expert per slot, installed bytes equal the store's, LRU eviction."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.runtime import Engine, EngineConfig, decode
+from engine.slots import LRU, SlotTable
+from engine.store import TensorSpec
+
+from conftest import PROMPT
+
+TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
+
+
+def check_consistent(table):
+    mapped = np.flatnonzero(table.slot_of >= 0)
+    slots = table.slot_of[mapped]
+    assert len(mapped) <= table.slots
+    assert len(set(slots.tolist())) == len(slots), "a slot holds two experts"
+    for e in mapped:
+        assert table.expert_in[table.slot_of[e]] == e
+    for s in np.flatnonzero(table.expert_in >= 0):
+        assert table.slot_of[table.expert_in[s]] == s
+
+
+@pytest.mark.parametrize("install", ["inplace", "copy"])
+def test_slots_hold_store_bytes_after_decoding(install):
+    eng = Engine.load("olmoe-tiny", EngineConfig(slots=16, install=install))
+    try:
+        ids = eng.tokenizer.encode(PROMPT)
+        decode(eng.model, ids, 8)
+        assert eng.counters()["evictions"] > 0
+        for layer, table in enumerate(eng.tables):
+            check_consistent(table)
+            mx.eval(table.buffers)
+            resident = np.flatnonzero(table.slot_of >= 0)
+            views, _ = eng.store.read_batch(layer, resident)
+            for e in resident:
+                s = table.slot_of[e]
+                for buf, want in zip(table.buffers, views[e]):
+                    got = bytes(memoryview(mx.contiguous(buf[int(s)])).cast("B"))
+                    assert got == want.tobytes(), f"layer {layer} slot {s} differs from expert {e} in the store"
+    finally:
+        eng.close()
+
+
+def test_claim_evicts_least_recently_used_outside_protected():
+    t = SlotTable(0, num_experts=8, slots=3, tensors=TENSORS)
+    for e in (0, 1, 2):
+        t.claim(e)
+    t.touch([0])  # order now 1, 2, 0
+    assert t.claim(3, protected={3}) == 1  # expert 1's slot
+    assert not t.resident(1) and t.resident(3)
+    assert t.claim(4, protected={2, 4}) == 0  # 2 protected, so 0 goes
+    assert t.evictions == 2
+    check_consistent(t)
+
+
+def test_every_expert_protected_is_refused():
+    t = SlotTable(0, num_experts=4, slots=2, tensors=TENSORS)
+    t.claim(0)
+    t.claim(1)
+    with pytest.raises(RuntimeError, match="protected"):
+        t.claim(2, protected={0, 1, 2})
+
+
+def test_release_frees_the_slot():
+    t = SlotTable(0, num_experts=4, slots=2, tensors=TENSORS)
+    s = t.claim(3)
+    t.release(3)
+    assert not t.resident(3) and t.expert_in[s] == -1
+    assert t.claim(1) == s
+
+
+def test_inplace_write_is_seen_by_mlx():
+    t = SlotTable(0, num_experts=4, slots=2, tensors=TENSORS)
+    (dest,) = t.dests(1)
+    dest[:] = np.arange(4, dtype=np.float32).tobytes()
+    assert t.buffers[0][1].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert t.buffers[0][0].tolist() == [0.0] * 4
+
+
+def test_lru_order():
+    p = LRU(3)
+    for e in (5, 6, 7):
+        p.touch(e)
+    p.touch(5)
+    assert p.victim(set()) == 6
+    p.remove(6)
+    assert p.victim({7}) == 5
+
+
+def test_slot_indices_refuse_non_resident():
+    t = SlotTable(0, num_experts=4, slots=2, tensors=TENSORS)
+    t.claim(2)
+    assert t.slot_indices(np.array([[2]])).tolist() == [[0]]
+    with pytest.raises(RuntimeError, match=r"experts \[3\] are not resident"):
+        t.slot_indices(np.array([[2, 3]]))

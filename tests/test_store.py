@@ -1,0 +1,111 @@
+"""The expert store: round trip, tiers, and a clear error for every damaged store."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import registry
+from engine.runtime import open_store, store_dir
+from engine.store import Store, StoreError, moe_layers
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _, spec, path = registry.load("olmoe-tiny", lazy=True)
+    open_store("olmoe-tiny", model, path).close()  # built if absent
+    return model, path
+
+
+@pytest.fixture
+def store_copy(tmp_path, tiny):
+    dst = tmp_path / "store"
+    shutil.copytree(store_dir("olmoe-tiny"), dst)
+    return dst
+
+
+@pytest.mark.parametrize("tier", ["page_cache", "cold"])
+def test_round_trip(tiny, tier):
+    model, path = tiny
+    with Store(store_dir("olmoe-tiny"), model_path=path, tier=tier, verify="always") as s:
+        assert s.expert_bytes == sum(t.nbytes for t in s.tensors)
+        for layer, (_, glu) in enumerate(moe_layers(model)):
+            experts = [0, 17, 63]
+            views, seconds = s.read_batch(layer, experts)
+            assert len(seconds) == 3
+            for e in experts:
+                for t, v in zip(s.tensors, views[e]):
+                    proj, part = t.name.split(".")
+                    want = mx.contiguous(getattr(glu, proj)[part][e])
+                    assert v.tobytes() == bytes(memoryview(want).cast("B"))
+
+
+def test_layout_is_nine_tensors_per_expert(tiny):
+    with Store(store_dir("olmoe-tiny")) as s:
+        assert [t.name for t in s.tensors] == [f"{p}.{q}" for p in ("gate_proj", "up_proj", "down_proj")
+                                               for q in ("weight", "scales", "biases")]
+        assert s.record_bytes % 4096 == 0
+
+
+def test_corrupt_expert_is_named(store_copy):
+    f = store_copy / "layer_001.bin"
+    with Store(store_copy) as s:
+        off = 5 * s.record_bytes + 100
+    data = bytearray(f.read_bytes())
+    data[off] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with Store(store_copy) as s:
+        s.read_batch(1, [4])  # a neighbour is intact
+        with pytest.raises(StoreError, match=r"layer_001\.bin: checksum mismatch for expert 5 of MoE layer 1"):
+            s.read_batch(1, [5])
+        with pytest.raises(StoreError, match="expert 5"):
+            s.verify_all()
+
+
+def test_truncated_file_is_named(store_copy):
+    f = store_copy / "layer_002.bin"
+    with Store(store_copy) as s:
+        keep = 10 * s.record_bytes + 7
+    with open(f, "r+b") as fh:
+        fh.truncate(keep)
+    with pytest.raises(StoreError, match=r"layer_002\.bin: truncated .* experts 10\.\.63 of MoE layer 2 are missing"):
+        Store(store_copy)
+
+
+def test_missing_file_is_named(store_copy):
+    (store_copy / "layer_003.bin").unlink()
+    with pytest.raises(StoreError, match=r"layer_003\.bin: missing store file of MoE layer 3"):
+        Store(store_copy)
+
+
+def test_malformed_index_is_named(store_copy):
+    idx = store_copy / "index.json"
+    idx.write_text(idx.read_text()[:-40])
+    with pytest.raises(StoreError, match=r"index\.json: malformed store index"):
+        Store(store_copy)
+    data = {"format": "titan-expert-store", "version": 1}
+    idx.write_text(json.dumps(data))
+    with pytest.raises(StoreError, match=r"malformed store index \('tensors'\)"):
+        Store(store_copy)
+
+
+def test_store_of_another_model_is_refused(store_copy):
+    other = registry.model_dir("qwen3moe-tiny")
+    with pytest.raises(StoreError, match="built from another model"):
+        Store(store_copy, model_path=other)
+
+
+def test_missing_store_says_how_to_build(tmp_path):
+    with pytest.raises(StoreError, match="python -m engine store build"):
+        Store(tmp_path / "nowhere")
+
+
+def test_read_into_slot_memory(tiny):
+    """One preadv scatters an expert straight into nine destination buffers."""
+    with Store(store_dir("olmoe-tiny")) as s:
+        dests = [np.empty(t.nbytes, np.uint8) for t in s.tensors]
+        s.read_into(0, 9, dests)
+        views, _ = s.read_batch(0, [9])
+        assert b"".join(d.tobytes() for d in dests) == b"".join(v.tobytes() for v in views[9])

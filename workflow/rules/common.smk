@@ -1,0 +1,4 @@
+from snakemake.utils import validate
+
+
+validate(config, "../schemas/config.schema.yaml")
