@@ -54,12 +54,35 @@ def mx_dtype(name: str):
     return getattr(mx, name)
 
 
+def address(a) -> int:
+    """The address of an evaluated MLX array's first byte."""
+    return np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data
+
+
+def aligned_zeros(shape, dtype, align=4096):
+    """A zeroed MLX array whose data starts on an `align`-byte boundary.
+
+    MLX's CPU allocator returns memory at 24 mod 4096; the kernel's copy from the page cache
+    into such cache-line-misaligned memory ran 4.5x slower than into aligned memory on this
+    machine (AMD EPYC, `rep movsb`). So allocate a little more and keep an aligned view:
+    MLX slices and reshapes of contiguous data share the buffer.
+    """
+    import mlx.core as mx
+
+    n = int(np.prod(shape))
+    item = dtype.size
+    big = mx.zeros((n + align // item,), dtype=dtype)
+    mx.eval(big)
+    pad = ((-address(big)) % align) // item
+    buf = big[pad : pad + n].reshape(shape)
+    mx.eval(buf)
+    return buf
+
+
 class SlotTable:
     """S slots for one MoE layer, the map expert -> slot, an eviction policy and counters."""
 
     def __init__(self, layer: int, num_experts: int, slots: int, tensors, policy="lru", install="inplace"):
-        import mlx.core as mx
-
         if install not in INSTALL_MODES:
             raise ValueError(f"install must be one of {INSTALL_MODES}, not {install!r}")
         if not 1 <= slots <= num_experts:
@@ -69,8 +92,7 @@ class SlotTable:
         self.slots = slots
         self.tensors = list(tensors)
         self.install_mode = install
-        self.buffers = [mx.zeros((slots, *t.shape), dtype=mx_dtype(t.dtype)) for t in self.tensors]
-        mx.eval(self.buffers)
+        self.buffers = [aligned_zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
         # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
         self._rows = [memoryview(b).cast("B") for b in self.buffers]
         self.slot_of = np.full(num_experts, -1, np.int64)
