@@ -5,12 +5,15 @@ rule core_throughput:
         "results/logs/core_throughput.log",
     resources:
         timing=1,
+    conda:
+        "../envs/titan.yaml"
     params:
+        python=PYTHON,
         model=config["core"]["throughput_model"],
         tokens=config["core"]["tokens"],
         repeats=config["core"]["repeats"],
     shell:
-        "python -m engine bench throughput --model {params.model} --tokens {params.tokens}"
+        "{params.python} -m engine bench throughput --model {params.model} --tokens {params.tokens}"
         " --repeats {params.repeats} --out {output} > {log} 2>&1"
 
 
@@ -21,9 +24,12 @@ rule core_miss:
         "results/logs/core_miss.log",
     resources:
         timing=1,
+    conda:
+        "../envs/titan.yaml"
     params:
+        python=PYTHON,
         model=config["core"]["miss_model"],
         repeats=config["core"]["repeats"],
     shell:
-        "python -m engine bench miss --model {params.model} --repeats {params.repeats}"
+        "{params.python} -m engine bench miss --model {params.model} --repeats {params.repeats}"
         " --out {output} > {log} 2>&1"
