@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -281,7 +282,7 @@ def check_or_build(spec, out: Path, build: bool = True):
             raise RegistryError(f"{out} exists but holds no {MANIFEST}: not an embedded build; move it away")
         if not build:
             raise RegistryError(f"model '{spec['id']}' is not built; run `python -m engine build {spec['id']}`")
-        print(f"[titan] building embedded model {spec['id']} into {out} ...", flush=True)
+        print(f"[titan] building embedded model {spec['id']} into {out} ...", file=sys.stderr, flush=True)
         return globals()["build"](spec, out)
     try:
         digest = json.loads(manifest.read_text())["spec_digest"]

@@ -1,6 +1,7 @@
 """The runtime: wraps an mlx-lm model, swaps its MoE blocks' experts for slot tables backed by
 the expert store, and runs greedy decoding with per-token figures."""
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ def open_store(model_id: str, model, model_path, tier="page_cache", readers=4, v
     if not (path / "index.json").exists():
         if not build:
             raise store_mod.StoreError(f"{path}: no store; run `python -m engine store build {model_id}`")
-        print(f"[titan] building the expert store of {model_id} into {path} ...", flush=True)
+        print(f"[titan] building the expert store of {model_id} into {path} ...", file=sys.stderr, flush=True)
         store_mod.build(model, model_path, path, model_id)
     return store_mod.Store(path, model_path=model_path, tier=tier, readers=readers, verify=verify)
 
