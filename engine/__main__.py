@@ -14,7 +14,14 @@ def _add_engine_args(p):
     p.add_argument("--install", choices=["inplace", "copy"], default="inplace",
                    help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write")
     p.add_argument("--readers", type=int, default=4, help="reader threads of the expert store")
-    p.add_argument("--eviction", default="lru", help="eviction policy of the slot tables")
+    p.add_argument("--eviction", choices=["lru", "lfu", "lru-predicted"], default="lru",
+                   help="eviction policy of the slot tables")
+    p.add_argument("--predictor", choices=["none", "popularity", "previous", "transition", "probe", "oracle"],
+                   default="none", help="what to prefetch (none: demand loading)")
+    p.add_argument("--depth", type=int, default=1, help="prefetch depth d: layer l prefetches layer l+d")
+    p.add_argument("--predict-size", type=int, default=None, help="experts predicted per layer (default: top_k)")
+    p.add_argument("--fit-set", choices=["general", "code"], default="general",
+                   help="prompt set whose fit traces fitted predictors learn from")
     p.add_argument("--verify", choices=["first", "always", "never"], default="first",
                    help="check an expert's checksum on its first read (default), every read, or never")
 
@@ -22,7 +29,9 @@ def _add_engine_args(p):
 def _engine_config(a):
     from .runtime import EngineConfig
 
-    return EngineConfig(slots=a.slots, tier=a.tier, install=a.install, readers=a.readers, eviction=a.eviction, verify=a.verify)
+    return EngineConfig(slots=a.slots, tier=a.tier, install=a.install, readers=a.readers, eviction=a.eviction,
+                        verify=a.verify, predictor=a.predictor, depth=a.depth, predict_size=a.predict_size,
+                        fit_set=a.fit_set)
 
 
 def cmd_list(a):
@@ -77,6 +86,12 @@ def cmd_decode(a):
     try:
         tok = eng.tokenizer
         ids = tok.encode(a.prompt)
+        if a.predictor == "oracle":
+            # The oracle reads this very run: record it first with plain mlx-lm (same tokens).
+            from . import trace
+            from .runtime import load_reference
+
+            eng.bind_oracle(trace.record(load_reference(a.model)[0], ids, a.tokens)["experts"])
         tokens, records, _ = decode(eng.model, ids, a.tokens, eos_id=tok.eos_token_id if a.stop_at_eos else None)
         s = summarize(records)
         if a.json:
@@ -92,9 +107,39 @@ def cmd_decode(a):
             print(f"per miss: pread {s['per_miss_pread_ms']:.3f} ms (summed over readers), "
                   f"array {s['per_miss_array_ms']:.3f} ms, install {s['per_miss_install_ms']:.3f} ms, "
                   f"stall {s['per_miss_stall_ms']:.3f} ms")
+        if a.predictor != "none":
+            dec = [r for r in records if r["phase"] == "decode"]
+            tot = {k: sum(r[k] for r in dec) for k in ("issued", "useful", "wasted", "late", "cancelled")}
+            print(f"prefetch {a.predictor} d={a.depth}: " + " ".join(f"{k}={v}" for k, v in tot.items())
+                  + f" late_stall={1e3 * sum(r['late_stall_s'] for r in dec) / len(dec):.2f} ms/token")
         print("counters: " + " ".join(f"{k}={v}" for k, v in eng.counters().items()))
     finally:
         eng.close()
+
+
+def cmd_trace(a):
+    from . import trace
+
+    print(trace.run(a.model, a.set, a.split, a.tokens, limit=a.limit))
+
+
+def cmd_fit(a):
+    from . import predictors, trace
+    from .runtime import fit_predictor
+
+    fit_path = trace.trace_path(a.model, a.set, "fit", a.tokens)
+    if not fit_path.exists():
+        trace.run(a.model, a.set, "fit", a.tokens)
+    size = a.size or registry.get_spec(a.model).get("top_k") or 8
+    out = predictors.fitted_path(a.model, a.set, a.predictor, a.depth, size)
+    pred = fit_predictor(a.model, a.predictor, a.depth, size, fit_path, out)
+    print(out)
+    eval_path = trace.trace_path(a.model, a.set, "eval", a.tokens)
+    if not eval_path.exists():
+        trace.run(a.model, a.set, "eval", a.tokens)
+    q = predictors.quality(pred, trace.load(eval_path))
+    print(f"{a.predictor} d={a.depth} m={size} on the held-out {a.set} eval prompts: "
+          f"precision {q['precision']:.3f} recall {q['recall']:.3f} over {q['n']} predictions")
 
 
 def cmd_bench(a):
@@ -132,6 +177,23 @@ def main(argv=None):
     p.add_argument("--stop-at-eos", action="store_true", help="stop at the end-of-text token")
     p.add_argument("--json", action="store_true", help="print one JSON object with every step's figures")
     p.set_defaults(fn=cmd_decode)
+
+    p = sub.add_parser("trace", help="record routing traces (experts, router probabilities, hidden states) over a prompt set")
+    p.add_argument("--model", default="olmoe-tiny")
+    p.add_argument("--set", choices=["general", "code"], default="general")
+    p.add_argument("--split", choices=["fit", "eval"], default="fit")
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per prompt after its prefill")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.set_defaults(fn=cmd_trace)
+
+    p = sub.add_parser("fit", help="fit a predictor on the fit traces and score it on the eval traces")
+    p.add_argument("--model", default="olmoe-tiny")
+    p.add_argument("--set", choices=["general", "code"], default="general")
+    p.add_argument("--predictor", choices=["popularity", "transition", "probe"], default="transition")
+    p.add_argument("--depth", type=int, default=1)
+    p.add_argument("--size", type=int, default=None, help="experts predicted per layer (default: top_k)")
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per prompt in the traces")
+    p.set_defaults(fn=cmd_fit)
 
     p = sub.add_parser("bench", help="engine-core benchmarks: throughput, per-miss cost, install cost")
     from . import bench

@@ -29,6 +29,12 @@ class StepStats:
     array_s: float = 0.0  # MLX arrays made from read records (copy mode)
     install_s: float = 0.0  # slot bookkeeping and buffer writes
     chunks: int = 0  # extra row groups when one layer's rows need more experts than slots
+    issued: int = 0  # prefetches issued
+    useful: int = 0  # prefetched experts the target layer then used
+    wasted: int = 0  # prefetched experts it did not use (cancelled ones included)
+    late: int = 0  # useful prefetches still in flight when needed
+    cancelled: int = 0  # wasted prefetches cancelled before their read began
+    late_stall_s: float = 0.0  # the part of stall_s spent waiting on prefetches
 
     def reset(self):
         self.__init__()
@@ -58,6 +64,13 @@ class ExpertCache:
         self.tables = tables
         self.prefetcher = prefetcher
         self.stats = StepStats()
+        self.position, self.rows = 0, 1
+        self.history = [None] * len(tables)  # per layer, the most recent token's experts
+
+    def begin_step(self, position: int, rows: int):
+        """A model call over `rows` tokens starting at sequence `position` begins."""
+        self.position, self.rows = position, rows
+        self.stats.reset()
 
     def fill(self, layer: int):
         """Load every expert of a layer into slot e = expert e (the S = E table)."""
@@ -69,13 +82,15 @@ class ExpertCache:
             f.result()
         table.bytes_read += table.num_experts * self.store.expert_bytes
 
-    def ensure(self, layer: int, experts: np.ndarray, hidden=None):
-        """Lines 11-14 of Algorithm 1 for the unique experts `experts` of this layer's rows."""
+    def ensure(self, layer: int, experts: np.ndarray, hidden=None, last=None):
+        """Lines 11-14 of Algorithm 1 for the unique experts `experts` of this layer's rows;
+        `hidden` is the MoE input and `last` the last row's experts."""
         table, st = self.tables[layer], self.stats
         # line 12: install finished prefetches; wait for in-flight experts we need (late)
         self.prefetcher.drain(layer, experts, self)
         # line 13: predict and issue layer l+d's prefetch before this layer's compute
         self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+        self.history[layer] = experts if last is None else last
         # line 14: read the misses as one batch and install them
         resident = table.slot_of[experts] >= 0
         misses = [int(e) for e in experts[~resident]]
@@ -155,7 +170,7 @@ class SlotSwitchGLU(nn.Module):
         flat = idx.reshape(-1, k)
         groups = row_chunks(flat, table.slots)
         if len(groups) == 1:
-            self._cache.ensure(self._layer, np.unique(flat), x)
+            self._cache.ensure(self._layer, np.unique(flat), x, np.sort(flat[-1]))
             # lines 15-16: same kernel, same bytes as mlx-lm
             return self.glu(x, mx.array(table.slot_indices(idx)))
         # More experts than slots among these rows (a long prefill on a small table): each
@@ -163,7 +178,7 @@ class SlotSwitchGLU(nn.Module):
         xf = x.reshape(-1, d)
         outs = []
         for a, b in groups:
-            self._cache.ensure(self._layer, np.unique(flat[a:b]), xf[a:b])
+            self._cache.ensure(self._layer, np.unique(flat[a:b]), xf[a:b], np.sort(flat[b - 1]))
             y = self.glu(xf[a:b], mx.array(table.slot_indices(flat[a:b])))
             mx.eval(y)
             outs.append(y)

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import registry, store as store_mod
 from .moe import ExpertCache, SlotSwitchGLU, StepStats
+from . import predictors, prefetch
 from .prefetch import NoPrefetch
 from .slots import SlotTable
 
@@ -24,6 +25,11 @@ class EngineConfig:
     readers: int = 4
     eviction: str = "lru"
     verify: str = "first"
+    predictor: str = "none"
+    depth: int = 1
+    predict_size: int | None = None  # None: top_k
+    fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
+    trace_tokens: int = 32  # decode tokens per prompt in those traces
 
 
 def store_dir(model_id: str) -> Path:
@@ -75,8 +81,21 @@ class Engine:
 
     @classmethod
     def load(cls, model_id: str, config: EngineConfig | None = None, prefetcher=None):
+        config = config or EngineConfig()
         model, tokenizer, spec, path = registry.load(model_id, lazy=True)
-        return cls(model, tokenizer, spec, path, config or EngineConfig(), prefetcher)
+        if prefetcher is None:
+            top_k = next(model.layers[li].mlp.top_k for li, _ in store_mod.moe_layers(model))
+            prefetcher = prefetch.make(config.predictor, config.depth, make_predictor(model_id, config, top_k))
+        return cls(model, tokenizer, spec, path, config, prefetcher)
+
+    @property
+    def predictor(self):
+        return getattr(self.cache.prefetcher, "predictor", None)
+
+    def bind_oracle(self, experts):
+        """Give the oracle predictor the (T, L, K) expert sets of the run about to decode."""
+        if isinstance(self.predictor, predictors.Oracle):
+            self.predictor.bind(experts)
 
     def counters(self) -> dict:
         total = {}
@@ -90,19 +109,53 @@ class Engine:
         self.store.close()
 
 
+def fitted_predictor(model_id: str, config: EngineConfig, size: int):
+    """Load a fitted predictor, fitting it (and tracing its fit prompts) first if absent."""
+    from . import trace
+
+    path = predictors.fitted_path(model_id, config.fit_set, config.predictor, config.depth, size)
+    if not path.exists():
+        tpath = trace.trace_path(model_id, config.fit_set, "fit", config.trace_tokens)
+        if not tpath.exists():
+            print(f"[titan] tracing {model_id} over the {config.fit_set} fit prompts ...", file=sys.stderr, flush=True)
+            trace.run(model_id, config.fit_set, "fit", config.trace_tokens)
+        fit_predictor(model_id, config.predictor, config.depth, size, tpath, path)
+    return predictors.load(path)
+
+
+def fit_predictor(model_id, name, depth, size, trace_path, out):
+    from . import trace
+
+    tr = trace.load(trace_path)
+    if tr.meta.get("model") != model_id:
+        raise trace.TraceError(f"{trace_path}: a trace of {tr.meta.get('model')!r}, not of {model_id!r}")
+    t0 = time.perf_counter()
+    pred = predictors.make(name, depth, size).fit(tr)
+    predictors.save(pred, out, dict(model=model_id, trace=str(trace_path), fit_seconds=time.perf_counter() - t0,
+                                    prompts=tr.meta["result"]["prompts"]))
+    return pred
+
+
+def make_predictor(model_id: str, config: EngineConfig, top_k: int):
+    size = config.predict_size or top_k
+    if config.predictor in predictors.FITTED:
+        return fitted_predictor(model_id, config, size)
+    return predictors.make(config.predictor, config.depth, size)
+
+
 def load_reference(model_id: str):
     """The unmodified mlx-lm model, every expert in memory: the bit-exactness reference."""
     model, tokenizer, spec, _ = registry.load(model_id)
     return model, tokenizer, spec
 
 
-def step_stats(model) -> StepStats:
-    """The running StepStats of an engine model (a fresh, unused one for plain mlx-lm)."""
+def expert_cache(model) -> ExpertCache | None:
+    """The ExpertCache of an engine model; None for plain mlx-lm."""
     for layer in model.layers:
         sw = getattr(layer.mlp, "switch_mlp", None)
         if isinstance(sw, SlotSwitchGLU):
-            return sw._cache.stats
-    return StepStats()
+            return sw._cache
+    return None
 
 
 def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, eos_id=None):
@@ -114,11 +167,15 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
     `keep_logits`, the float32 logits of every step.
     """
     cache = make_prompt_cache(model)
-    stats = step_stats(model)
+    experts = expert_cache(model)
+    stats = experts.stats if experts is not None else StepStats()
     records, logits_out, tokens = [], [], []
     inp = mx.array(prompt_ids, dtype=mx.uint32)[None]
+    position = 0
     for step in range(max_tokens + 1):
-        stats.reset()
+        if experts is not None:
+            experts.begin_step(position, inp.shape[1])
+        position += inp.shape[1]
         t0 = time.perf_counter()
         logits = model(inp, cache=cache)
         y = mx.argmax(logits[:, -1, :], axis=-1)

@@ -32,6 +32,9 @@ class LRU:
     def remove(self, expert: int):
         self._order.pop(expert, None)
 
+    def hint(self, predicted):
+        pass
+
     def victim(self, protected) -> int:
         for e in self._order:
             if e not in protected:
@@ -39,7 +42,51 @@ class LRU:
         raise RuntimeError("every resident expert is protected: no slot can be evicted")
 
 
-POLICIES = {"lru": LRU}
+class LFU(LRU):
+    """Evict the least frequently used expert (uses counted since it became resident);
+    ties go to the least recently used."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self._uses = {}
+
+    def touch(self, expert: int):
+        super().touch(expert)
+        self._uses[expert] = self._uses.get(expert, 0) + 1
+
+    def remove(self, expert: int):
+        super().remove(expert)
+        self._uses.pop(expert, None)
+
+    def victim(self, protected) -> int:
+        best, best_uses = None, None
+        for e in self._order:  # least recent first, so the first minimum wins ties
+            if e not in protected and (best_uses is None or self._uses[e] < best_uses):
+                best, best_uses = e, self._uses[e]
+        if best is None:
+            raise RuntimeError("every resident expert is protected: no slot can be evicted")
+        return best
+
+
+class LRUPredicted(LRU):
+    """LRU that spares the experts the predictor last named for this layer, while any other
+    expert can go."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self._predicted = frozenset()
+
+    def hint(self, predicted):
+        self._predicted = frozenset(int(e) for e in predicted)
+
+    def victim(self, protected) -> int:
+        try:
+            return super().victim(set(protected) | self._predicted)
+        except RuntimeError:
+            return super().victim(protected)
+
+
+POLICIES = {"lru": LRU, "lfu": LFU, "lru-predicted": LRUPredicted}
 
 
 def make_policy(name: str, slots: int):
@@ -117,6 +164,10 @@ class SlotTable:
     def touch(self, experts):
         for e in experts:
             self.policy.touch(int(e))
+
+    def hint(self, predicted):
+        """The experts the predictor expects here next (for policies that spare them)."""
+        self.policy.hint(predicted)
 
     def claim(self, expert: int, protected=()) -> int:
         """Map `expert` to a free slot, or evict the policy's victim outside `protected`."""

@@ -1,0 +1,281 @@
+"""Predictors of the experts layer l+d will route to, asked at layer l's host synchronisation.
+
+Fitted on traces of *fit* prompts, scored on traces of held-out *eval* prompts:
+- `none`: predicts nothing (demand loading);
+- `popularity`: the layer's most popular experts in the fit traces;
+- `previous`: the experts the target layer used for the previous token;
+- `transition`: counts of expert i at layer l and expert j at layer l+d in the same token
+  (O(T L K^2) to fit), summed over this token's experts at layer l;
+- `probe`: one multi-label logistic regression per layer on the hidden state at layer l's
+  MoE input, trained with NumPy;
+- `oracle`: reads the trace of the very run (the upper bound).
+
+Depth wraps: from layer l, depth d targets layer (l + d) mod L of token t + (l + d) div L, so
+the last layers of a token prefetch the first layers of the next.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+NAMES = ("none", "popularity", "previous", "transition", "probe", "oracle")
+FITTED = ("popularity", "transition", "probe")
+
+
+@dataclass
+class Context:
+    """What a predictor may look at when layer `layer` of the token at `position` syncs."""
+
+    position: int
+    layer: int
+    target: int  # the layer whose experts are predicted
+    offset: int  # 0: this token; 1: the next token
+    experts: np.ndarray  # this token's experts at `layer`
+    hidden: np.ndarray | None  # this token's MoE input at `layer` (float32), if asked for
+    history: list  # per layer, the most recent expert set seen there (or None)
+
+
+def target_of(layer: int, depth: int, num_layers: int):
+    return (layer + depth) % num_layers, (layer + depth) // num_layers
+
+
+def _top(scores: np.ndarray, m: int, tiebreak: np.ndarray | None = None) -> np.ndarray:
+    """The m highest-scoring experts; ties go to `tiebreak` (e.g. popularity), then index."""
+    key = (-scores, -tiebreak if tiebreak is not None else np.zeros_like(scores), np.arange(len(scores)))
+    return np.lexsort(key[::-1])[:m]
+
+
+class Predictor:
+    name = "base"
+    needs_hidden = False
+
+    def __init__(self, depth: int = 1, size: int = 8):
+        self.depth, self.size = depth, size
+
+    def fit(self, trace):
+        return self
+
+    def predict(self, ctx: Context) -> np.ndarray:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict):
+        pass
+
+
+class NoPredictor(Predictor):
+    name = "none"
+
+    def predict(self, ctx):
+        return np.zeros(0, np.int64)
+
+
+class Popularity(Predictor):
+    name = "popularity"
+
+    def fit(self, trace):
+        L, E = trace.num_layers, trace.num_experts
+        self.counts = np.zeros((L, E), np.int64)
+        for l in range(L):
+            np.add.at(self.counts[l], trace.experts[:, l].reshape(-1), 1)
+        return self
+
+    def predict(self, ctx):
+        return _top(self.counts[ctx.target].astype(float), self.size)
+
+    def state(self):
+        return {"counts": self.counts}
+
+    def load_state(self, state):
+        self.counts = state["counts"]
+
+
+class Previous(Predictor):
+    name = "previous"
+
+    def predict(self, ctx):
+        last = ctx.history[ctx.target]
+        return np.zeros(0, np.int64) if last is None else np.asarray(last)[: self.size]
+
+
+def pairs(trace, layer: int, depth: int):
+    """Row indices (source, target) of one (layer, depth) pair, within each prompt."""
+    tgt, off = target_of(layer, depth, trace.num_layers)
+    src_rows, tgt_rows = [], []
+    for s in trace.sequences():
+        idx = np.arange(s.start, s.stop - off)
+        src_rows.append(idx)
+        tgt_rows.append(idx + off)
+    return np.concatenate(src_rows), np.concatenate(tgt_rows), tgt
+
+
+class Transition(Predictor):
+    name = "transition"
+
+    def fit(self, trace):
+        L, E = trace.num_layers, trace.num_experts
+        self.counts = np.zeros((L, E, E), np.int64)
+        self.popularity = Popularity().fit(trace).counts
+        for l in range(L):
+            src, dst, tgt = pairs(trace, l, self.depth)
+            a = trace.experts[src, l].astype(np.int64)  # (N, K)
+            b = trace.experts[dst, tgt].astype(np.int64)  # (N, K)
+            # every (i, j) of a token's K x K pairs: O(T L K^2)
+            np.add.at(self.counts[l], (a[:, :, None], b[:, None, :]), 1)
+        return self
+
+    def predict(self, ctx):
+        scores = self.counts[ctx.layer][np.asarray(ctx.experts, np.int64)].sum(0).astype(float)
+        return _top(scores, self.size, self.popularity[ctx.target].astype(float))
+
+    def state(self):
+        return {"counts": self.counts, "popularity": self.popularity}
+
+    def load_state(self, state):
+        self.counts, self.popularity = state["counts"], state["popularity"]
+
+
+class Probe(Predictor):
+    """Per layer l, sigmoid(W h + b) over the experts of layer l+d (multi-label, BCE, Adam)."""
+
+    name = "probe"
+    needs_hidden = True
+    steps, lr, l2 = 300, 0.05, 1e-4
+
+    def fit(self, trace, seed: int = 0):
+        L, E, D = trace.num_layers, trace.num_experts, trace.hidden.shape[-1]
+        self.mean = np.zeros((L, D), np.float32)
+        self.std = np.ones((L, D), np.float32)
+        self.W = np.zeros((L, D, E), np.float32)
+        self.b = np.zeros((L, E), np.float32)
+        for l in range(L):
+            src, dst, tgt = pairs(trace, l, self.depth)
+            X = trace.hidden[src, l].astype(np.float32)
+            Y = np.zeros((len(dst), E), np.float32)
+            np.put_along_axis(Y, trace.experts[dst, tgt].astype(np.int64), 1.0, axis=1)
+            self.mean[l], self.std[l] = X.mean(0), X.std(0) + 1e-6
+            X = (X - self.mean[l]) / self.std[l]
+            self.W[l], self.b[l] = _logistic(X, Y, self.steps, self.lr, self.l2)
+        return self
+
+    def scores(self, layer, hidden):
+        x = (np.asarray(hidden, np.float32) - self.mean[layer]) / self.std[layer]
+        return x @ self.W[layer] + self.b[layer]
+
+    def predict(self, ctx):
+        return _top(self.scores(ctx.layer, ctx.hidden), self.size)
+
+    def state(self):
+        return {"mean": self.mean, "std": self.std, "W": self.W, "b": self.b}
+
+    def load_state(self, state):
+        self.mean, self.std, self.W, self.b = state["mean"], state["std"], state["W"], state["b"]
+
+
+def _logistic(X, Y, steps, lr, l2):
+    """Full-batch Adam on the mean binary cross-entropy; deterministic (zero init)."""
+    n, d = X.shape
+    W, b = np.zeros((d, Y.shape[1]), np.float32), np.zeros(Y.shape[1], np.float32)
+    m = [np.zeros_like(W), np.zeros_like(b)]
+    v = [np.zeros_like(W), np.zeros_like(b)]
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    for t in range(1, steps + 1):
+        p = 1.0 / (1.0 + np.exp(-(X @ W + b)))
+        g = (p - Y) / n
+        grads = [X.T @ g + l2 * W, g.sum(0)]
+        for i, (param, grad) in enumerate(zip((W, b), grads)):
+            m[i] = b1 * m[i] + (1 - b1) * grad
+            v[i] = b2 * v[i] + (1 - b2) * grad * grad
+            param -= lr * (m[i] / (1 - b1**t)) / (np.sqrt(v[i] / (1 - b2**t)) + eps)
+    return W, b
+
+
+class Oracle(Predictor):
+    """Reads the trace of the very run: exact for the decode it was recorded from."""
+
+    name = "oracle"
+
+    def bind(self, experts: np.ndarray):
+        """The (T, L, K) expert sets of the run to predict, in token order."""
+        self.sets = experts
+        return self
+
+    def predict(self, ctx):
+        t = ctx.position + ctx.offset
+        if t >= len(self.sets):
+            return np.zeros(0, np.int64)
+        return self.sets[t, ctx.target].astype(np.int64)[: self.size]
+
+
+CLASSES = {c.name: c for c in (NoPredictor, Popularity, Previous, Transition, Probe, Oracle)}
+
+
+def make(name: str, depth: int = 1, size: int = 8) -> Predictor:
+    if name not in CLASSES:
+        raise ValueError(f"unknown predictor {name!r}; choose from {', '.join(NAMES)}")
+    return CLASSES[name](depth=depth, size=size)
+
+
+def fitted_path(model_id: str, prompt_set: str, name: str, depth: int, size: int) -> Path:
+    from .registry import resources_dir
+
+    return resources_dir() / "predictors" / model_id / f"{prompt_set}-{name}-d{depth}-m{size}.npz"
+
+
+def save(pred: Predictor, path, meta: dict):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **pred.state())
+    path.with_suffix(".json").write_text(json.dumps(dict(meta, name=pred.name, depth=pred.depth, size=pred.size), indent=1))
+
+
+def load(path) -> Predictor:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no fitted predictor (fit it with `python -m engine fit`)")
+    try:
+        meta = json.loads(path.with_suffix(".json").read_text())
+        pred = make(meta["name"], meta["depth"], meta["size"])
+        with np.load(path) as z:
+            pred.load_state({k: z[k] for k in z.files})
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: malformed fitted predictor ({e})") from None
+    return pred
+
+
+# -- offline evaluation on traces -------------------------------------------------------------
+
+def contexts(trace, depth: int):
+    """Every (context, actual target set) of a trace at one depth, in token order."""
+    L = trace.num_layers
+    for s in trace.sequences():
+        T = s.stop - s.start
+        for t in range(T):
+            for l in range(L):
+                tgt, off = target_of(l, depth, L)
+                if t + off >= T:
+                    continue
+                hist = [trace.experts[s.start + t + off - 1, j] if t + off >= 1 else None for j in range(L)]
+                ctx = Context(t, l, tgt, off, trace.experts[s.start + t, l], trace.hidden[s.start + t, l], hist)
+                yield s, ctx, trace.experts[s.start + t + off, tgt]
+
+
+def quality(pred: Predictor, trace) -> dict:
+    """Mean precision and recall at the predicted set size over a trace."""
+    prec, rec = [], []
+    current = None
+    for s, ctx, actual in contexts(trace, pred.depth):
+        if isinstance(pred, Oracle) and current != s.start:
+            pred.bind(trace.experts[s])
+            current = s.start
+        p = set(pred.predict(ctx).tolist())
+        a = set(actual.tolist())
+        hit = len(p & a)
+        if p:  # an empty prediction has no precision
+            prec.append(hit / len(p))
+        rec.append(hit / len(a))
+    return dict(precision=float(np.mean(prec)) if prec else float("nan"), recall=float(np.mean(rec)), n=len(rec))
