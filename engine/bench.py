@@ -19,7 +19,7 @@ import numpy as np
 
 
 def add_args(p):
-    p.add_argument("which", choices=["throughput", "miss", "install"])
+    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch"])
     p.add_argument("--model", default=None,
                    help="model id (default: olmoe-tiny-f32 for throughput, olmoe-1b-7b-shape for miss/install)")
     p.add_argument("--tokens", type=int, default=32, help="throughput: tokens per decode")
@@ -27,6 +27,11 @@ def add_args(p):
     p.add_argument("--slots", type=int, nargs="*", default=[], help="throughput: also run the engine at these S")
     p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
     p.add_argument("--readers", type=int, nargs="*", default=[1, 4], help="miss: reader-thread counts to measure")
+    p.add_argument("--predictors", nargs="*", default=["oracle", "probe", "transition", "popularity", "previous"],
+                   help="prefetch: predictors to run beside demand loading")
+    p.add_argument("--depths", type=int, nargs="*", default=[1, 2, 3], help="prefetch: depths")
+    p.add_argument("--prompts", type=int, default=4, help="prefetch: eval prompts of --set to decode")
+    p.add_argument("--set", choices=["general", "code"], default="general", help="prefetch: prompt set")
     p.add_argument("--out", default=None, help="append the result as one JSON line to this file")
 
 
@@ -193,10 +198,67 @@ def install(a):
     return out
 
 
+def prefetch_bench(a):
+    """Demand loading against every predictor and depth at S = E/4 (or --slots), one run."""
+    from . import prompts, runtime, trace
+
+    mid = a.model or "olmoe-tiny-f32"
+    ref, tok, spec = runtime.load_reference(mid)
+    E = spec["experts"]
+    S = a.slots[0] if a.slots else E // 4
+    configs = [("none", 0)] + [(p, d) for p in a.predictors for d in a.depths]
+    engines = {
+        c: runtime.Engine.load(mid, runtime.EngineConfig(slots=S, tier=a.tier, predictor=c[0], depth=max(c[1], 1),
+                                                         fit_set=a.set))
+        for c in configs
+    }
+    rows = prompts.load(a.set, "eval")[: a.prompts]
+    sums = {c: dict(tokens=0, seconds=0.0, stall=0.0, hits=0, misses=0, issued=0, useful=0, wasted=0, late=0)
+            for c in configs}
+    for p in rows:
+        ids = tok.encode(p["text"])
+        sets = trace.record(ref, ids, a.tokens)["experts"]
+        for c, eng in engines.items():
+            eng.bind_oracle(sets)
+            _, recs, _ = runtime.decode(eng.model, ids, a.tokens)
+            for r in recs[1:]:
+                acc = sums[c]
+                acc["tokens"] += 1
+                acc["seconds"] += r["seconds"]
+                acc["stall"] += r["stall_s"]
+                for k in ("hits", "misses", "issued", "useful", "wasted", "late"):
+                    acc[k] += r[k]
+    for eng in engines.values():
+        eng.close()
+    table = {}
+    for (name, d), acc in sums.items():
+        table[f"{name}/d{d}"] = dict(
+            predictor=name, depth=d, tok_s=acc["tokens"] / acc["seconds"],
+            stall_ms_per_token=1e3 * acc["stall"] / acc["tokens"],
+            hit_rate=acc["hits"] / (acc["hits"] + acc["misses"]),
+            issued=acc["issued"], useful=acc["useful"], wasted=acc["wasted"], late=acc["late"])
+    base = table["none/d0"]["stall_ms_per_token"]
+    for v in table.values():
+        v["stall_cut"] = 1 - v["stall_ms_per_token"] / base if base else None
+    fitted = [k for k, v in table.items() if v["predictor"] not in ("none", "oracle")]
+    best = min(fitted, key=lambda k: table[k]["stall_ms_per_token"]) if fitted else None
+    out = dict(bench="prefetch", model=mid, slots=S, experts=E, tier=a.tier, prompt_set=a.set, prompts=len(rows),
+               tokens=a.tokens, results=table, best_fitted=best)
+    print(f"{mid}: S={S}/{E}, tier {a.tier}, {len(rows)} {a.set} eval prompts x {a.tokens} tokens")
+    print(f"  {'predictor/depth':18s} {'tok/s':>8s} {'stall ms/tok':>13s} {'cut':>6s} {'hit':>6s} {'useful':>7s} {'wasted':>7s} {'late':>5s}")
+    for k, v in table.items():
+        cut = "" if v["stall_cut"] is None else f"{100 * v['stall_cut']:5.1f}%"
+        print(f"  {k:18s} {v['tok_s']:8.2f} {v['stall_ms_per_token']:13.3f} {cut:>6s} {v['hit_rate']:6.3f} "
+              f"{v['useful']:7d} {v['wasted']:7d} {v['late']:5d}")
+    if best:
+        print(f"  best fitted predictor: {best}")
+    return out
+
+
 def main(a):
     from . import provenance
 
-    out = {"throughput": throughput, "miss": miss, "install": install}[a.which](a)
+    out = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench}[a.which](a)
     if a.out:
         rec = provenance.stamp(out, command=sys.argv, seed=None)
         with open(a.out, "a") as f:

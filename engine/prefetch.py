@@ -126,10 +126,10 @@ class Prefetcher:
                     slot = table.claim(e, protected)
                 except RuntimeError:
                     break  # every slot holds a protected expert: issue no more
-                future, record = store.submit(target, e, table.dests(slot)), None
+                future, record = store.submit(target, e, table.dests(slot), prefetch=True), None
             else:
                 slot, record = -1, store.empty_record()
-                future = store.submit(target, e, [record])
+                future = store.submit(target, e, [record], prefetch=True)
             flights[e] = Flight(e, slot, future, record)
             st.issued += 1
 

@@ -13,7 +13,6 @@ thread-local, so MLX arrays are made by the consuming thread, never here.
 import hashlib
 import json
 import os
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -201,8 +200,10 @@ class Store:
                 )
             self._fds.append(os.open(fpath, os.O_RDONLY))
         self._verified = [np.zeros(layer["experts"], bool) for layer in self.layers]
+        # Demand reads and prefetches have their own threads, so that a read the decode thread
+        # waits for never queues behind speculative ones.
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="titan-reader")
-        self._lock = threading.Lock()
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="titan-reader-prefetch")
 
     # -- layout ---------------------------------------------------------------------------
     @property
@@ -253,9 +254,10 @@ class Store:
             self._verified[layer][expert] = True
         return dt
 
-    def submit(self, layer: int, expert: int, dests):
+    def submit(self, layer: int, expert: int, dests, prefetch: bool = False):
         """Queue one read on the reader threads; the future yields the read seconds."""
-        return self._pool.submit(self.read_into, layer, expert, dests)
+        pool = self._prefetch_pool if prefetch else self._pool
+        return pool.submit(self.read_into, layer, expert, dests)
 
     def read_batch(self, layer: int, experts, dests=None):
         """Read several experts of a layer at once. Without `dests`, each lands in a fresh
@@ -284,10 +286,11 @@ class Store:
             self.verify = saved
 
     def close(self):
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
-            self._pool = None
+        for name in ("_pool", "_prefetch_pool"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+                setattr(self, name, None)
         for fd in getattr(self, "_fds", []):
             os.close(fd)
         self._fds = []

@@ -1,0 +1,206 @@
+"""Prefetching and predictors: exact logits with every predictor, eviction policy and depth;
+predictors that learn what they should; errors that surface; shutdowns that end."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from engine import predictors, prompts, simulate, trace
+from engine.predictors import Context
+from engine.prefetch import Prefetcher
+from engine.runtime import Engine, EngineConfig, decode, load_reference
+from engine.store import Store, StoreError
+
+from conftest import MODELS, PROMPT
+from test_exactness import max_abs_diff
+
+
+@pytest.fixture(scope="session")
+def fit_traces():
+    """Per model, a small in-memory trace of three fit prompts (8 decode tokens each)."""
+    cache = {}
+
+    def get(model_id):
+        if model_id not in cache:
+            model, tok, _ = load_reference(model_id)
+            parts = []
+            for i, p in enumerate(prompts.load("code", "fit")[:3]):
+                r = trace.record(model, tok.encode(p["text"]), 8)
+                r["prompt"] = np.full(len(r["tokens"]), i, np.int32)
+                parts.append(r)
+            cat = {k: np.concatenate([p[k] for p in parts]) for k in ("experts", "probs", "hidden", "tokens", "prompt", "decode")}
+            cache[model_id] = trace.Trace(meta={"model": model_id}, **cat)
+        return cache[model_id]
+
+    return get
+
+
+def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace"):
+    spec = MODELS[model_id]
+    pred = predictors.make(name, depth, spec["top_k"]).fit(fit)
+    eng = Engine.load(model_id, EngineConfig(slots=slots or spec["experts"] // 4, eviction=eviction, install=install),
+                      prefetcher=Prefetcher(pred, depth) if name != "none" else None)
+    try:
+        if name == "oracle":
+            model, tok, _ = load_reference(model_id)
+            eng.bind_oracle(trace.record(model, ref["ids"], len(ref["tokens"]) - 1)["experts"])
+        _, records, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
+        return records, logits
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("name", list(predictors.NAMES))
+def test_qwen_bit_identical_with_every_predictor_and_depth(reference, fit_traces, name, depth):
+    ref = reference("qwen3moe-tiny")
+    records, logits = run_with("qwen3moe-tiny", ref, name, depth, fit_traces("qwen3moe-tiny"))
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    if name in ("oracle", "probe", "transition", "popularity"):
+        assert sum(r["issued"] for r in records) > 0  # prefetching really happened
+
+
+@pytest.mark.parametrize("name", list(predictors.NAMES))
+def test_olmoe_bit_identical_with_every_predictor(reference, fit_traces, name):
+    ref = reference("olmoe-tiny")
+    _, logits = run_with("olmoe-tiny", ref, name, 2, fit_traces("olmoe-tiny"))
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "lru-predicted"])
+def test_bit_identical_with_every_eviction_policy(reference, fit_traces, model_id, eviction):
+    ref = reference(model_id)
+    _, logits = run_with(model_id, ref, "transition", 1, fit_traces(model_id), eviction=eviction)
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+def test_copy_install_with_prefetch_bit_identical(reference, fit_traces):
+    ref = reference("qwen3moe-tiny")
+    records, logits = run_with("qwen3moe-tiny", ref, "probe", 1, fit_traces("qwen3moe-tiny"), install="copy")
+    assert sum(r["useful"] for r in records) > 0
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+def test_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fit_traces):
+    ref = reference("qwen3moe-tiny")
+    records, _ = run_with("qwen3moe-tiny", ref, "oracle", 1, fit_traces("qwen3moe-tiny"), slots=32)
+    dec = records[2:]  # past the prefill and the first decode step
+    assert sum(r["useful"] for r in dec) > 0
+    assert sum(r["wasted"] for r in dec) == 0
+    assert sum(r["misses"] for r in dec) == 0
+
+
+def test_oracle_reaches_recall_one(fit_traces):
+    tr = fit_traces("qwen3moe-tiny")
+    for depth in (1, 2, 3):
+        q = predictors.quality(predictors.make("oracle", depth, 8), tr)
+        assert q["recall"] == 1.0 and q["precision"] == 1.0
+
+
+def planted_trace(seed=0, L=3, E=16, K=2, T=400):
+    """Layer l+1's experts are a fixed permutation of layer l's, in every token."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(E)
+    experts = np.zeros((T, L, K), np.int16)
+    for t in range(T):
+        experts[t, 0] = np.sort(rng.choice(E, K, replace=False))
+        for l in range(1, L):
+            experts[t, l] = np.sort(perm[experts[t, l - 1]])
+    z = np.zeros((T, L, 4), np.float16)
+    return trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=z,
+                       tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32),
+                       decode=np.ones(T, bool), meta={}), perm
+
+
+def test_transition_recovers_a_planted_map():
+    tr, perm = planted_trace()
+    pred = predictors.make("transition", 1, 2).fit(tr)
+    for l in (0, 1):  # pairs within a token (the last layer's pairs wrap to a random next token)
+        for e in range(16):
+            others = [x for x in range(16) if x != e][:1]
+            ctx = Context(0, l, l + 1, 0, np.array([e] + others), None, [None] * 3)
+            assert set(pred.predict(ctx).tolist()) == {int(perm[e]), int(perm[others[0]])}
+
+
+def test_depth_two_composes_the_map():
+    tr, perm = planted_trace(seed=1)
+    pred = predictors.make("transition", 2, 2).fit(tr)
+    ctx = Context(0, 0, 2, 0, np.array([3, 7]), None, [None] * 3)
+    assert set(pred.predict(ctx).tolist()) == {int(perm[perm[3]]), int(perm[perm[7]])}
+
+
+def test_probe_learns_a_linear_rule():
+    """Hidden states that encode the next layer's experts linearly are read back by the probe."""
+    rng = np.random.default_rng(0)
+    T, L, E, K, D = 600, 2, 8, 2, 16
+    hidden = rng.normal(size=(T, L, D)).astype(np.float16)
+    proj = rng.normal(size=(D, E))
+    experts = np.zeros((T, L, K), np.int16)
+    for t in range(T):
+        for l in range(L):
+            src = hidden[t, l - 1] if l else rng.normal(size=D)
+            experts[t, l] = np.sort(np.argsort(-(src.astype(float) @ proj))[:K])
+    tr = trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=hidden,
+                     tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32), decode=np.ones(T, bool), meta={})
+    pred = predictors.make("probe", 1, K).fit(tr)
+    ctxs = [(c, a) for _, c, a in predictors.contexts(tr, 1) if c.layer == 0]
+    recall = np.mean([len(set(pred.predict(c).tolist()) & set(a.tolist())) / K for c, a in ctxs])
+    assert recall > 0.9
+
+
+def test_fitted_state_round_trips(tmp_path, fit_traces):
+    tr = fit_traces("qwen3moe-tiny")
+    for name in predictors.FITTED:
+        pred = predictors.make(name, 2, 8).fit(tr)
+        predictors.save(pred, tmp_path / f"{name}.npz", {"model": "qwen3moe-tiny"})
+        back = predictors.load(tmp_path / f"{name}.npz")
+        assert (back.name, back.depth, back.size) == (name, 2, 8)
+        assert predictors.quality(back, tr) == predictors.quality(pred, tr)
+
+
+def test_fit_and_eval_prompts_are_disjoint():
+    for name in prompts.SETS:
+        fit, ev = prompts.load(name, "fit"), prompts.load(name, "eval")
+        assert fit and ev
+        assert not {p["text"] for p in fit} & {p["text"] for p in ev}
+        assert not {p["source"] for p in fit} & {p["source"] for p in ev}
+        assert not {p["id"] for p in fit} & {p["id"] for p in ev}
+
+
+def test_replay_bounds(fit_traces):
+    """Belady bounds LRU from above; the oracle's prefetching beats demand loading."""
+    tr = fit_traces("qwen3moe-tiny")
+    lru = simulate.replay(tr, 32)["hit_rate"]
+    opt = simulate.belady(tr, 32)["hit_rate"]
+    oracle = simulate.replay(tr, 32, predictors.make("oracle", 1, 8), 1)["hit_rate"]
+    assert lru <= opt and oracle > opt
+
+
+def test_reader_error_reaches_the_decode_thread(reference, fit_traces, monkeypatch):
+    real = Store.read_into
+
+    def failing(self, layer, expert, dests):
+        if threading.current_thread().name.startswith("titan-reader") and layer == 1 and expert % 2:
+            raise StoreError(f"injected read failure: layer {layer} expert {expert}")
+        return real(self, layer, expert, dests)
+
+    monkeypatch.setattr(Store, "read_into", failing)
+    ref = reference("qwen3moe-tiny")
+    with pytest.raises(StoreError, match="injected read failure"):
+        run_with("qwen3moe-tiny", ref, "oracle", 1, fit_traces("qwen3moe-tiny"))
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_with_reads_in_flight_does_not_hang(fit_traces):
+    tr = fit_traces("qwen3moe-tiny")
+    eng = Engine.load("qwen3moe-tiny", EngineConfig(slots=32, readers=1),
+                      prefetcher=Prefetcher(predictors.make("popularity", 1, 16).fit(tr), 1))
+    cache = eng.cache
+    cache.begin_step(0, 1)
+    for layer in range(len(eng.tables)):  # issue without ever draining
+        cache.prefetcher.issue(layer, np.arange(16), cache)
+    assert sum(len(f) for f in cache.prefetcher.inflight.values()) > 0
+    eng.close()
+    assert not cache.prefetcher.inflight
