@@ -142,6 +142,21 @@ def cmd_fit(a):
           f"precision {q['precision']:.3f} recall {q['recall']:.3f} over {q['n']} predictions")
 
 
+def cmd_train(a):
+    from . import provenance, rawlog, train
+
+    started = provenance.utc_now()
+    spec = registry.get_spec(a.model)
+    if "training" not in spec:
+        raise registry.RegistryError(f"model '{a.model}' has no training block in {registry.config_path()}")
+    out = train.train(a.model)
+    cfg = dict(model=a.model, training=spec["training"], data_digest=out["data_digest"],
+               tokens_per_step=out["tokens_per_step"])
+    path = rawlog.write_run("train", "olmoe_trained", out["curve"], config=cfg, seed=spec["training"]["seed"],
+                            started=started, model=a.model, revision=None)
+    print(path)
+
+
 def cmd_bench(a):
     from . import bench
 
@@ -194,6 +209,10 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=None, help="experts predicted per layer (default: top_k)")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per prompt in the traces")
     p.set_defaults(fn=cmd_fit)
+
+    p = sub.add_parser("train", help="train a model with a training block (e.g. olmoe-trained) and log its loss curve")
+    p.add_argument("model", nargs="?", default="olmoe-trained")
+    p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("bench", help="engine-core benchmarks: throughput, per-miss cost, install cost")
     from . import bench

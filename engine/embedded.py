@@ -280,6 +280,12 @@ def check_or_build(spec, out: Path, build: bool = True):
     if not manifest.exists():
         if Path(out).exists():
             raise RegistryError(f"{out} exists but holds no {MANIFEST}: not an embedded build; move it away")
+        if "training" in spec:
+            base = spec["id"].removesuffix("-f32")
+            raise RegistryError(
+                f"model '{spec['id']}' is trained, not built: run `snakemake --cores 2 train` "
+                f"or `python -m engine train {base}` (about 20 minutes on 2 cores)"
+            )
         if not build:
             raise RegistryError(f"model '{spec['id']}' is not built; run `python -m engine build {spec['id']}`")
         print(f"[titan] building embedded model {spec['id']} into {out} ...", file=sys.stderr, flush=True)

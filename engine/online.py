@@ -1,0 +1,105 @@
+"""Gate C (`prefetch_online`): decode throughput, stall, hit rate and prefetch counts across
+slots, predictors and depth, on one model, tier and prompt set, with resident mlx-lm as the
+ceiling measured in the same run; and the offline quality of every predictor."""
+
+import numpy as np
+
+from . import predictors, prompts, simulate, trace
+from .runtime import Engine, EngineConfig, decode, load_reference
+
+FIELDS = ("hits", "misses", "bytes_read", "stall_s", "pread_s", "array_s", "install_s",
+          "issued", "useful", "wasted", "late", "late_stall_s")
+
+
+def configs(experts, slots, predictor_names, depths):
+    """(slots, predictor, depth) to run: the ceiling, S = E, then every S < E."""
+    out = [(experts, "mlx-lm", 0), (experts, "none", 0)]
+    for s in sorted(s for s in slots if s < experts):
+        out.append((s, "none", 0))
+        out += [(s, p, d) for p in predictor_names if p != "none" for d in depths]
+    return out
+
+
+def summarize(acc) -> dict:
+    n = acc["tokens"]
+    res = dict(tokens=n, seconds=acc["seconds"], tok_s=n / acc["seconds"],
+               stall_ms_per_token=1e3 * acc["stall_s"] / n,
+               late_stall_ms_per_token=1e3 * acc["late_stall_s"] / n,
+               bytes_read_per_token=acc["bytes_read"] / n)
+    total = acc["hits"] + acc["misses"]
+    res["hit_rate"] = acc["hits"] / total if total else None
+    for k in ("hits", "misses", "issued", "useful", "wasted", "late"):
+        res[k] = acc[k]
+    if acc["misses"]:
+        for k in ("pread", "array", "install", "stall"):
+            res[f"per_miss_{k}_ms"] = 1e3 * acc[f"{k}_s"] / acc["misses"]
+    return res
+
+
+def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts, tokens,
+          readers=4, fit_tokens=32, install="inplace", progress=None):
+    """One result dict per configuration (see `configs`)."""
+    ref, tok, spec = load_reference(model_id)
+    E = spec["experts"]
+    rows = prompts.load(prompt_set, "eval")[:n_prompts]
+    inputs = [tok.encode(p["text"]) for p in rows]
+    oracle_sets = [trace.record(ref, ids, tokens)["experts"] for ids in inputs]
+    decode(ref, inputs[0], 2)  # warm-up
+    results = []
+    for S, name, depth in configs(E, slots, predictor_names, depths):
+        acc = dict(tokens=0, seconds=0.0, **{k: 0 for k in FIELDS})
+        eng = None
+        if name != "mlx-lm":
+            eng = Engine.load(model_id, EngineConfig(slots=S, tier=tier, readers=readers, install=install,
+                                                     predictor=name, depth=max(depth, 1), fit_set=prompt_set,
+                                                     trace_tokens=fit_tokens))
+        try:
+            model = ref if eng is None else eng.model
+            for ids, sets in zip(inputs, oracle_sets):
+                if eng is not None:
+                    eng.bind_oracle(sets)
+                _, recs, _ = decode(model, ids, tokens)
+                for r in recs[1:]:  # decode steps; the prefill is reported apart
+                    acc["tokens"] += 1
+                    acc["seconds"] += r["seconds"]
+                    for k in FIELDS:
+                        acc[k] += r[k]
+        finally:
+            if eng is not None:
+                eng.close()
+        res = dict(model=model_id, tier=tier, prompt_set=prompt_set, slots=S, experts=E,
+                   predictor=name, depth=depth, prompts=len(rows), **summarize(acc))
+        results.append(res)
+        if progress:
+            progress(res)
+    return results
+
+
+def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32, size=None):
+    """Offline: precision/recall per predictor and depth on the eval traces, and the hit rate
+    each gives in a replay at every S, beside LRU alone and Belady's optimum."""
+    fit = trace.load(trace.trace_path(model_id, prompt_set, "fit", fit_tokens))
+    ev = trace.load(trace.trace_path(model_id, prompt_set, "eval", fit_tokens))
+    K = fit.experts.shape[-1]
+    size = size or K
+    out = []
+    for S in slots:
+        if S >= ev.num_experts:
+            continue
+        base = dict(model=model_id, prompt_set=prompt_set, slots=S, experts=ev.num_experts)
+        out.append(dict(base, predictor="lru", depth=0, **simulate.replay(ev, S)))
+        out.append(dict(base, predictor="belady", depth=0, **simulate.belady(ev, S)))
+    for name in predictor_names:
+        if name == "none":
+            continue
+        for d in depths:
+            pred = predictors.make(name, d, size).fit(fit)
+            q = predictors.quality(pred, ev)
+            for S in slots:
+                if S >= ev.num_experts:
+                    continue
+                r = simulate.replay(ev, S, pred, d)
+                out.append(dict(model=model_id, prompt_set=prompt_set, slots=S, experts=ev.num_experts,
+                                predictor=name, depth=d, precision=q["precision"], recall=q["recall"],
+                                predictions=q["n"], **r))
+    return out

@@ -1,0 +1,52 @@
+rule train:
+    output:
+        "resources/models/olmoe-trained/titan-build.json",
+        "resources/models/olmoe-trained-f32/titan-build.json",
+    log:
+        "results/logs/train.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        python=PYTHON,
+    shell:
+        "{params.python} -m engine train olmoe-trained > {log} 2>&1"
+
+
+rule trace:
+    input:
+        lambda wc: model_input(wc.model),
+    output:
+        "resources/traces/{model}/{pset}-{split}-t{tokens}.npz",
+    log:
+        "results/logs/trace/{model}-{pset}-{split}-t{tokens}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        python=PYTHON,
+    shell:
+        "{params.python} -m engine trace --model {wildcards.model} --set {wildcards.pset}"
+        " --split {wildcards.split} --tokens {wildcards.tokens} > {log} 2>&1"
+
+
+rule fit:
+    input:
+        fit="resources/traces/{model}/{pset}-fit-t{tokens}.npz",
+        eval="resources/traces/{model}/{pset}-eval-t{tokens}.npz",
+    output:
+        "resources/predictors/{model}/{pset}-{predictor}-d{depth}-m{size}-t{tokens}.done",
+    log:
+        "results/logs/fit/{model}-{pset}-{predictor}-d{depth}-m{size}-t{tokens}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        python=PYTHON,
+    shell:
+        "{params.python} -m engine fit --model {wildcards.model} --set {wildcards.pset}"
+        " --predictor {wildcards.predictor} --depth {wildcards.depth} --size {wildcards.size}"
+        " --tokens {wildcards.tokens} > {log} 2>&1 && cp {log} {output}"

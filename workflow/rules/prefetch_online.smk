@@ -1,0 +1,54 @@
+rule prefetch_online:
+    input:
+        fitted_inputs,
+    output:
+        protected(f"{{out}}/raw/C/prefetch_online/{RUN}-{{model}}-{{tier}}-{{pset}}.jsonl"),
+    log:
+        f"{{out}}/logs/prefetch_online-{RUN}-{{model}}-{{tier}}-{{pset}}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["prefetch_online"],
+    script:
+        "../scripts/gate_c.py"
+
+
+rule predictor_quality:
+    input:
+        fit=lambda wc: trace_file(wc.model, wc.pset, "fit", settings(wc.out)["prefetch_online"]["fit_tokens"]),
+        eval=lambda wc: trace_file(wc.model, wc.pset, "eval", settings(wc.out)["prefetch_online"]["fit_tokens"]),
+    output:
+        protected(f"{{out}}/raw/C/predictor_quality/{RUN}-{{model}}-{{pset}}.jsonl"),
+    log:
+        f"{{out}}/logs/predictor_quality-{RUN}-{{model}}-{{pset}}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["prefetch_online"],
+    script:
+        "../scripts/quality.py"
+
+
+rule routing:
+    input:
+        lambda wc: [
+            trace_file(wc.model, pset, split, settings(wc.out)["prefetch_online"]["fit_tokens"])
+            for pset in ("general", "code")
+            for split in ("fit", "eval")
+        ],
+    output:
+        protected(f"{{out}}/raw/C/routing/{RUN}-{{model}}.jsonl"),
+    log:
+        f"{{out}}/logs/routing-{RUN}-{{model}}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["prefetch_online"],
+    script:
+        "../scripts/routing.py"

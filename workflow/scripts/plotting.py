@@ -1,0 +1,188 @@
+"""Figures, one per claim, drawn from the aggregated tables only (never from raw logs)."""
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+LINES = {"none": "-", "popularity": ":", "previous": "-.", "transition": "--", "probe": (0, (5, 1)), "oracle": "-"}
+
+
+def _read(figdir, name):
+    p = Path(figdir) / "tables" / f"{name}.csv"
+    df = pd.read_csv(p)
+    return df if "empty" not in df.columns else df.iloc[0:0]
+
+
+def _save(fig, figdir, name):
+    for ext in ("png", "pdf"):
+        fig.savefig(Path(figdir) / f"{name}.{ext}", dpi=110, metadata={"CreationDate": None} if ext == "pdf" else None)
+    plt.close(fig)
+
+
+def _empty(figdir, name, what):
+    fig, ax = plt.subplots(figsize=(5, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.5, f"no {what} in the raw logs yet", ha="center", va="center")
+    _save(fig, figdir, name)
+
+
+def _machine(df):
+    return df["device"].astype(str) + " " + df["chip"].astype(str).str.slice(0, 28)
+
+
+def design(figdir):
+    df = _read(figdir, "design")
+    if df.empty:
+        return _empty(figdir, "design", "gate B results")
+    df["machine"] = _machine(df)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    k = df[df["measure"] == "kernel"]
+    for m, g in k.groupby("machine"):
+        axes[0].bar([f"{v}\n{m}" for v in g["variant"]], g["value"])
+    axes[0].set_ylabel("ms per layer per token")
+    axes[0].set_title("Expert kernels: loop vs gather_qmm vs restack")
+    axes[0].tick_params(axis="x", labelsize=7)
+    w = df[df["measure"] == "slot_write"]
+    for (m, inst), g in w.groupby(["machine", "variant"]):
+        axes[1].plot(g["slots"], g["value"], marker="o", label=f"{inst} ({m})")
+    axes[1].set_xlabel("slots in the buffer")
+    axes[1].set_ylabel("ms to write one expert")
+    axes[1].set_title("Slot write cost against buffer size")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, figdir, "design")
+
+
+def _online(figdir, name, column, ylabel, title):
+    df = _read(figdir, "prefetch_online")
+    if df.empty:
+        return _empty(figdir, name, "gate C results")
+    df["machine"] = _machine(df)
+    panels = sorted(df.groupby(["machine", "model", "tier"]).groups)
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+        g = df[(df["machine"] == key[0]) & (df["model"] == key[1]) & (df["tier"] == key[2])]
+        engine = g[g["predictor"] != "mlx-lm"]
+        for (pset, pred), h in engine.groupby(["prompt_set", "predictor"]):
+            if pred not in ("none", "oracle"):
+                h = h[h["depth"] == h["depth"].min()]
+            h = h.sort_values("slots")
+            ax.plot(h["slots"], h[column], linestyle=LINES.get(pred, "-"), marker="o" if pset == "general" else "s",
+                    label=f"{pred} ({pset})", linewidth=2 if pred in ("none", "oracle") else 1)
+        if column == "tok_s":
+            for pset, h in g[g["predictor"] == "mlx-lm"].groupby("prompt_set"):
+                ax.axhline(h[column].iloc[0], color="k", linewidth=0.8, linestyle="--")
+                ax.text(ax.get_xlim()[0], h[column].iloc[0], f" mlx-lm resident ({pset})", fontsize=6, va="bottom")
+        ax.set_title(f"{key[1]}, {key[2]} tier\n{key[0]}", fontsize=8)
+        ax.set_xlabel("slots per layer")
+        ax.set_ylabel(ylabel)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=6)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.97))
+    _save(fig, figdir, name)
+
+
+def miss_breakdown(figdir):
+    df = _read(figdir, "miss_breakdown")
+    if df.empty:
+        return _empty(figdir, "miss_breakdown", "demand misses")
+    df = df.groupby(["device", "model", "tier", "slots"], as_index=False)[
+        ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]].mean()
+    labels = [f"{r.model}\n{r.tier} S={r.slots}\n{r.device}" for r in df.itertuples()]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(df)), 4))
+    bottom = 0
+    for col, name in (("per_miss_pread_ms", "pread (summed over readers)"), ("per_miss_array_ms", "array creation"),
+                      ("per_miss_install_ms", "install")):
+        ax.bar(labels, df[col], bottom=bottom, label=name)
+        bottom = bottom + df[col]
+    ax.plot(labels, df["per_miss_stall_ms"], "k_", markersize=20, label="stall per miss (wall)")
+    ax.set_ylabel("ms per miss")
+    ax.set_title("Per-miss cost, demand loading")
+    ax.tick_params(axis="x", labelsize=6)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, figdir, "miss_breakdown")
+
+
+def predictor_recall(figdir):
+    df = _read(figdir, "predictor_quality")
+    df = df[df["recall"].notna()] if not df.empty else df
+    if df.empty:
+        return _empty(figdir, "predictor_recall", "predictor quality results")
+    df = df.drop_duplicates(["model", "prompt_set", "predictor", "depth"])
+    panels = sorted(df.groupby(["model", "prompt_set"]).groups)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (model, pset) in zip(axes.flat, panels):
+        g = df[(df["model"] == model) & (df["prompt_set"] == pset)]
+        for pred, h in g.groupby("predictor"):
+            h = h.sort_values("depth")
+            ax.plot(h["depth"], h["recall"], marker="o", linestyle=LINES.get(pred, "-"), label=pred)
+        ax.set_title(f"{model}, {pset}", fontsize=8)
+        ax.set_xlabel("depth d")
+        ax.set_ylabel("recall at top-k")
+        ax.set_ylim(0, 1.05)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("Predictor recall by prefetch depth (held-out prompts)")
+    fig.tight_layout()
+    _save(fig, figdir, "predictor_recall")
+
+
+def routing(figdir):
+    df = _read(figdir, "routing")
+    if df.empty:
+        return _empty(figdir, "routing", "routing statistics")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    lay = df[df["kind"] == "layer"]
+    for model, g in lay.groupby("model"):
+        axes[0].plot(g["layer"], g["top10_share"], marker="o", label=model)
+        axes[1].plot(g["layer"], g["js_code_general_bits"], marker="o", label=model)
+    axes[0].set_title("Share of routes taken by the top 10% of experts")
+    axes[0].set_xlabel("layer")
+    axes[1].set_title("Code vs general routing (Jensen-Shannon, bits)")
+    axes[1].set_xlabel("layer")
+    pr = df[df["kind"] == "predictability"]
+    for (model, pred), g in pr.groupby(["model", "predictor"]):
+        g = g.groupby("depth", as_index=False)["recall"].mean()
+        axes[2].plot(g["depth"], g["recall"], marker="o", label=f"{model} {pred}")
+    if not pr.empty:
+        axes[2].axhline(pr["chance"].iloc[0], color="k", linestyle=":", linewidth=0.8, label="chance")
+    axes[2].set_title("Cross-layer predictability (recall)")
+    axes[2].set_xlabel("depth d")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, figdir, "routing")
+
+
+def train_loss(figdir):
+    df = _read(figdir, "train_loss")
+    if df.empty:
+        return _empty(figdir, "train_loss", "training run")
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(df["step"], df["cross_entropy"], label="cross-entropy")
+    ax.plot(df["step"], df["loss"], label="with load-balancing loss", alpha=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(f"Training {df['model'].iloc[0]}")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, figdir, "train_loss")
+
+
+def build(figdir):
+    design(figdir)
+    _online(figdir, "throughput_vs_slots", "tok_s", "decode tok/s", "Throughput against slots, by predictor")
+    _online(figdir, "stall_vs_slots", "stall_ms_per_token", "stall ms per token", "Stall against slots, by predictor")
+    miss_breakdown(figdir)
+    predictor_recall(figdir)
+    routing(figdir)
+    train_loss(figdir)
