@@ -24,3 +24,13 @@ rule smoke:
     input:
         tables("results/smoke/figures"),
         plots("results/smoke/figures"),
+
+
+rule gate_b:
+    input:
+        f"results/raw/B/design/{RUN}.jsonl",
+
+
+rule gate_c:
+    input:
+        [f for f in raw_outputs("results") if "/raw/C/" in f],

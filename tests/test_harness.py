@@ -1,0 +1,131 @@
+"""The harness: raw logs are append-only and provenance-stamped, aggregation is deterministic
+and refuses malformed lines, and a bad configuration fails before any job runs."""
+
+import getpass
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import provenance, rawlog, registry
+
+ROOT = registry.REPO_ROOT
+sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+import aggregate  # noqa: E402
+
+
+def fake_run(root, gate="C", experiment="prefetch_online", n=2, **result):
+    rows = [dict(model="m", tier="cold", prompt_set="code", slots=16, experts=64, predictor="none", depth=0,
+                 tok_s=10.0 + i, stall_ms_per_token=1.5, late_stall_ms_per_token=0.0, hit_rate=0.5, issued=0,
+                 useful=0, wasted=0, late=0, tokens=8, per_miss_pread_ms=0.1, per_miss_array_ms=0.0,
+                 per_miss_install_ms=0.01, per_miss_stall_ms=0.2, misses=3, **result) for i in range(n)]
+    for i, r in enumerate(rows):
+        r["slots"] = 16 * (i + 1)
+    return rawlog.write_run(gate, experiment, rows, config={"x": 1}, seed=0, started=provenance.utc_now(), root=root,
+                            command="test", model="m", revision=None)
+
+
+def test_a_run_adds_a_read_only_file_and_never_replaces_one(tmp_path):
+    a = fake_run(tmp_path)
+    b = fake_run(tmp_path)
+    assert a != b and a.exists() and b.exists()
+    assert not os.access(a, os.W_OK) or os.geteuid() == 0  # root ignores modes; the mode is still 0444
+    assert oct(a.stat().st_mode & 0o777) == "0o444"
+    before = a.read_bytes()
+    with pytest.raises(FileExistsError):
+        rawlog.write_run("C", "prefetch_online", [{"v": 1}], config={}, seed=0, started=provenance.utc_now(),
+                         path=a, command="test")
+    assert a.read_bytes() == before
+
+
+def test_every_record_carries_provenance(tmp_path):
+    recs = rawlog.read([fake_run(tmp_path)])
+    assert len(recs) == 2
+    for r in recs:
+        for k in rawlog.REQUIRED:
+            assert k in r, k
+        assert r["versions"]["mlx"] and r["versions"]["mlx-lm"] and r["versions"]["numpy"]
+        assert r["device"] in ("cpu", "gpu")
+        assert r["host"].startswith("host-")
+        assert r["started_utc"].endswith("Z") and r["finished_utc"] >= r["started_utc"]
+
+
+def test_no_host_or_user_name_in_records(tmp_path):
+    text = fake_run(tmp_path).read_text()
+    values = set()
+
+    def walk(o):
+        if isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+        else:
+            values.add(str(o))
+
+    for line in text.splitlines():
+        walk(json.loads(line))
+    assert socket.gethostname() not in values
+    assert getpass.getuser() not in values
+
+
+def test_malformed_line_is_named(tmp_path):
+    good = fake_run(tmp_path)
+    bad = tmp_path / "C" / "prefetch_online" / "bad.jsonl"
+    lines = good.read_text().splitlines()
+    bad.write_text(lines[0] + "\n" + lines[1][:-10] + "\n")
+    with pytest.raises(rawlog.RawLogError, match=r"bad\.jsonl: line 2: not JSON"):
+        rawlog.read([tmp_path])
+    rec = json.loads(lines[0])
+    del rec["commit"]
+    bad.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(rawlog.RawLogError, match=r"bad\.jsonl: line 1: missing field\(s\) commit"):
+        aggregate.build(tmp_path, tmp_path / "fig")
+
+
+def test_tables_are_byte_identical_from_the_same_logs(tmp_path):
+    raw = tmp_path / "raw"
+    fake_run(raw)
+    fake_run(raw)
+    aggregate.build(raw, tmp_path / "a")
+    aggregate.build(raw, tmp_path / "b")
+    for f in sorted((tmp_path / "a" / "tables").iterdir()):
+        assert f.read_bytes() == (tmp_path / "b" / "tables" / f.name).read_bytes(), f.name
+    table = (tmp_path / "a" / "tables" / "prefetch_online.csv").read_text().splitlines()
+    assert len(table) == 3  # header + two configurations; the later run of each is kept
+    assert table[1].endswith(",2")  # seen in both runs
+
+
+def snakemake(*args):
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_bad_config_fails_before_any_job_naming_the_field(tmp_path):
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "workflow/config/default.yaml").read_text())
+    cfg["prefetch_online"]["tiers"] = ["page_cache", "ssd"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    r = snakemake("-n", "all", "--configfile", str(bad))
+    assert r.returncode != 0
+    assert "ssd" in (r.stdout + r.stderr) and "tiers" in (r.stdout + r.stderr)
+
+
+def test_paper_profile_refuses_without_weights():
+    r = snakemake("-n", "all", "--configfile", "workflow/config/paper.yaml")
+    assert r.returncode != 0
+    assert "no pinned revision" in (r.stdout + r.stderr)
+
+
+def test_dry_run_of_all_plans_every_gate():
+    r = snakemake("-n", "all")
+    assert r.returncode == 0, r.stderr
+    for rule in ("design", "prefetch_online", "predictor_quality", "routing", "tables", "plots"):
+        assert f"rule {rule}:" in r.stdout or f"{rule} " in r.stdout
