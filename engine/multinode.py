@@ -1,0 +1,218 @@
+"""Multi-node expert execution on MLX's own distributed layer (`mx.distributed`, launched with
+`mlx.launch`; the ring backend runs over TCP on Linux and macOS).
+
+Node 0 runs the model. At every MoE layer the experts a placement puts on node n > 0 run on
+node n, from node n's own slot table: node 0 sends n a header, the rows' local expert indices
+and the hidden rows, n returns its experts' outputs, and node 0 puts them in their (row, k)
+places. Activations and results travel in the model's dtype (a float16 wire breaks bfloat16
+parity; `wire` selects it for the ablation). Every (row, expert) output is computed by the same
+kernel on the same bytes, so the logits equal one node's bit for bit.
+
+Nothing on the wire is deserialised with pickle: only fixed-layout int32 headers and raw arrays
+whose shape and dtype the header and the model give. A node that dies or never joins makes the
+run fail within `timeout` seconds, naming the node.
+"""
+
+import os
+import sys
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .moe import SlotSwitchGLU
+
+STOP, COMPUTE = 0, 1
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+class NodeError(RuntimeError):
+    """A peer that died, left, or sent what the protocol does not allow."""
+
+
+class Watchdog:
+    """Ends the process, naming who did not answer, when an exchange outlasts `timeout`."""
+
+    def __init__(self, timeout: float, rank: int):
+        self.timeout, self.rank = timeout, rank
+        self._deadline, self._what = None, ""
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="titan-watchdog").start()
+
+    def arm(self, what: str):
+        with self._lock:
+            self._deadline, self._what = time.monotonic() + self.timeout, what
+
+    def disarm(self):
+        with self._lock:
+            self._deadline = None
+
+    def _run(self):
+        while True:
+            time.sleep(min(0.2, self.timeout / 10))
+            with self._lock:
+                late = self._deadline is not None and time.monotonic() > self._deadline
+                what = self._what
+            if late:
+                print(f"error: node {self.rank}: {what} did not answer within {self.timeout:g} s "
+                      f"(the node died or never joined); no raw record is written", file=sys.stderr, flush=True)
+                os._exit(3)
+
+
+def init(timeout: float, backend: str = "ring"):
+    """Join the group under a watchdog (a peer that never joins ends the run by name)."""
+    rank_env = int(os.environ.get("MLX_RANK", "0"))
+    dog = Watchdog(timeout, rank_env)
+    dog.arm(f"joining the {backend} group (rank {rank_env} of {os.environ.get('MLX_WORLD_SIZE', '?')})")
+    group = mx.distributed.init(strict=True, backend=backend)
+    dog.disarm()
+    return group, dog
+
+
+class Link:
+    """The request/response protocol between node 0 and one remote node."""
+
+    def __init__(self, group, peer: int, dog: Watchdog, wire):
+        self.group, self.peer, self.dog, self.wire = group, peer, dog, wire
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, *arrays):
+        # One at a time: sends are matched to receives by order, and one eval of several
+        # independent sends may run them in any order.
+        self.dog.arm(f"node {self.peer}")
+        try:
+            for a in arrays:
+                mx.eval(mx.distributed.send(a, self.peer, group=self.group))
+        except RuntimeError as e:
+            raise NodeError(f"node {self.peer}: sending failed ({e}); the node died or left") from None
+        self.dog.disarm()
+        self.bytes_sent += sum(a.nbytes for a in arrays)
+
+    def recv(self, shape, dtype):
+        a = mx.distributed.recv(shape, dtype, self.peer, group=self.group)
+        self.dog.arm(f"node {self.peer}")
+        try:
+            mx.eval(a)
+        except RuntimeError as e:
+            raise NodeError(f"node {self.peer}: receiving failed ({e}); the node died or left") from None
+        self.dog.disarm()
+        self.bytes_received += a.nbytes
+        return a
+
+
+class DistributedSwitchGLU(SlotSwitchGLU):
+    """Node 0's SwitchGLU: local experts from its own slot table, remote ones on their node."""
+
+    def __init__(self, glu, table, cache, layer, executes_on: np.ndarray, links: dict, stats: dict):
+        super().__init__(glu, table, cache, layer)
+        self._where = executes_on  # (E,) node index executing each expert of this layer
+        self._links = links
+        self._stats = stats
+        local = np.flatnonzero(executes_on == 0)
+        self._filler = int(local[0]) if len(local) else None
+
+    def __call__(self, x, indices):
+        idx = np.array(indices)
+        where = self._where[idx]
+        if not (where != 0).any():
+            return super().__call__(x, mx.array(idx.astype(np.uint32)))
+        k, d = idx.shape[-1], x.shape[-1]
+        flat, xf, wf = idx.reshape(-1, k), x.reshape(-1, d), where.reshape(-1, k)
+        t0 = time.perf_counter()
+        pending = []
+        for n, link in self._links.items():
+            rows = np.flatnonzero((wf == n).any(1))
+            if not len(rows):
+                continue
+            kmax = int((wf[rows] == n).sum(1).max())
+            local = np.full((len(rows), kmax), -1, np.int32)  # -1: padding, ignored by node n
+            cols = []
+            for i, r in enumerate(rows):
+                c = np.flatnonzero(wf[r] == n)
+                local[i, : len(c)] = flat[r, c]
+                cols.append(c)
+            header = mx.array([COMPUTE, self._layer, len(rows), kmax], dtype=mx.int32)
+            link.send(header, mx.array(local), xf[mx.array(rows)].astype(link.wire))
+            pending.append((link, rows, cols, kmax))
+        # Local positions meanwhile; remote positions get a local filler, overwritten below.
+        y = None
+        remote = (wf != 0)
+        if (~remote).any():
+            fill = flat.copy()
+            for r in range(len(fill)):
+                own = fill[r][~remote[r]]
+                fill[r][remote[r]] = own[0] if len(own) else self._filler
+            y = super().__call__(xf, mx.array(fill.astype(np.uint32)))
+        out = np.zeros((len(flat), k), np.int64) - 1  # which remote result fills each position
+        parts = []
+        for link, rows, cols, kmax in pending:
+            got = link.recv((len(rows), kmax, d), link.wire).astype(x.dtype)
+            base = sum(p.shape[0] * p.shape[1] for p in parts)
+            parts.append(got)
+            for i, (r, c) in enumerate(zip(rows, cols)):
+                out[r, c] = base + i * kmax + np.arange(len(c))
+        self._stats["rtt_s"].append(time.perf_counter() - t0)
+        remote_rows = mx.concatenate([p.reshape(-1, d) for p in parts])
+        gathered = remote_rows[mx.array(np.maximum(out, 0).reshape(-1))].reshape(len(flat), k, d)
+        if y is None:
+            y = gathered
+        else:
+            y = mx.where(mx.array(remote)[..., None], gathered, y.reshape(len(flat), k, d))
+        return y.reshape(*idx.shape, d)
+
+
+def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, tier="page_cache"):
+    """A remote node: hold this node's experts in its own slot tables and answer node 0."""
+    from . import registry, store as store_mod
+    from .moe import ExpertCache
+    from .prefetch import NoPrefetch
+    from .runtime import open_store
+    from .slots import SlotTable
+
+    rank = group.rank()
+    model, _, spec, path = registry.load(model_id, lazy=True)
+    blocks = store_mod.moe_layers(model)
+    st = open_store(model_id, model, path, tier=tier)
+    glus, maps = [], []
+    for o, (li, glu) in enumerate(blocks):
+        mine = np.flatnonzero(executes_on[o] == rank)
+        S = max(1, len(mine))
+        table = SlotTable(o, st.num_experts(o), S, st.tensors)
+        cache = ExpertCache(st, [table] * (o + 1), NoPrefetch())
+        for e in mine:
+            slot = table.claim(int(e))
+            st.read_into(o, int(e), table.dests(slot))
+        sw = SlotSwitchGLU(glu, table, cache, o)
+        glus.append(sw.glu)
+        slot_of = np.zeros(st.num_experts(o), np.int64)
+        slot_of[mine] = table.slot_of[mine]
+        maps.append(slot_of)
+    link = Link(group, 0, dog, wire)
+    while True:
+        dog.disarm()  # node 0 may think for as long as it likes between layers...
+        header = mx.distributed.recv((4,), mx.int32, 0, group=group)
+        mx.eval(header)
+        cmd, layer, rows, kmax = (int(v) for v in np.array(header))
+        if cmd == STOP:
+            break
+        idx = link.recv((rows, kmax), mx.int32)
+        x = link.recv((rows, spec_hidden(model)), wire)
+        local = np.array(idx)
+        slots = maps[layer][np.maximum(local, 0)]  # padding runs on some resident slot; ignored
+        y = glus[layer](x.astype(model_dtype(model)), mx.array(slots.astype(np.uint32)))
+        link.send(y.astype(wire))
+    st.close()
+
+
+def spec_hidden(model) -> int:
+    return model.args.hidden_size
+
+
+def model_dtype(model):
+    return model.model.norm.weight.dtype
+
+
+def stop_all(group, links):
+    for link in links.values():
+        mx.eval(mx.distributed.send(mx.array([STOP, 0, 0, 0], dtype=mx.int32), link.peer, group=group))
