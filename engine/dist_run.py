@@ -51,6 +51,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent node fails the run")
     ap.add_argument("--forced", default=None, help=".npy of tokens to feed (teacher forcing)")
     ap.add_argument("--out", default=None, help="rank 0 writes logits and figures here (.npz)")
+    ap.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (for fault tests)")
     a = ap.parse_args(argv)
 
     import mlx.core as mx
@@ -61,6 +62,11 @@ def main(argv=None):
 
     group, dog = multinode.init(a.timeout)
     rank, world = group.rank(), group.size()
+    if a.pid_dir:
+        import os
+
+        with open(os.path.join(a.pid_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
     spec = registry.get_spec(a.model)
     num_layers = spec["layers"]
     where, meta = placement_for(a, num_layers, spec["experts"], world)
@@ -91,8 +97,12 @@ def main(argv=None):
         remote_share=float((where != 0).mean()), wire=str(wire), **meta,
     )
     if a.out:
-        np.savez(a.out, tokens=np.array(tokens), prompt=np.array(ids), figures=json.dumps(figures),
+        import os
+
+        tmp = a.out + ".tmp.npz"
+        np.savez(tmp, tokens=np.array(tokens), prompt=np.array(ids), figures=json.dumps(figures),
                  **{f"logits_{i}": l for i, l in enumerate(logits)})
+        os.replace(tmp, a.out)  # rank 0's output appears only for a run that finished
     print(json.dumps(figures), flush=True)
 
 

@@ -205,6 +205,39 @@ def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, ti
     st.close()
 
 
+def launch(nodes: int, args, out, timeout: float = 600, backend: str = "ring", hostfile=None):
+    """Run engine/dist_run.py on `nodes` processes with `mlx.launch` and return rank 0's figures.
+
+    `mlx.launch` reports a dead rank ("Node with rank N exited with code C") but may still exit
+    with 0 after stopping the others, so success is rank 0's output file, written last and
+    atomically; anything else raises NodeError naming the nodes that failed."""
+    import json
+    import re
+    import subprocess
+    from pathlib import Path
+
+    out = Path(out)
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    cmd = [str(launcher), "--backend", backend]
+    cmd += ["--hostfile", str(hostfile)] if hostfile else ["-n", str(nodes)]
+    cmd += ["--", sys.executable, str(Path(__file__).with_name("dist_run.py")), *map(str, args), "--out", str(out)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise NodeError(f"the {nodes}-node run did not finish within {timeout:g} s") from None
+    text = r.stdout + r.stderr
+    exits = [(int(n), int(c)) for n, c in re.findall(r"Node with rank (\d+) exited with code (-?\d+)", text)]
+    failed = [(n, c) for n, c in exits if c != 0]
+    if failed or r.returncode or not out.exists():
+        errors = [l for l in text.splitlines() if l.startswith("error:")]
+        what = "; ".join(f"node {n} exited with code {c}" + (" (stopped by the launcher)" if c == -15 else "")
+                         for n, c in failed) or f"mlx.launch exited with {r.returncode}"
+        raise NodeError(f"multi-node run failed: {what}" + (f"; {errors[0]}" if errors else "")
+                        + f"\n{text[-2000:]}")
+    z = np.load(out)
+    return json.loads(str(z["figures"])), z
+
+
 def spec_hidden(model) -> int:
     return model.args.hidden_size
 
