@@ -9,6 +9,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/design.smk"
 include: "workflow/rules/prefetch_online.smk"
+include: "workflow/rules/placement.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/figures.smk"
 
@@ -34,3 +35,8 @@ rule gate_b:
 rule gate_c:
     input:
         [f for f in raw_outputs("results") if "/raw/C/" in f],
+
+
+rule gate_f:
+    input:
+        [f for f in raw_outputs("results") if "/raw/F/" in f],

@@ -32,6 +32,16 @@ def placement_for(args, num_layers, num_experts, world):
     return p.executes_on(), {"strategy": args.placement}
 
 
+def _write(out, figures, **arrays):
+    """Rank 0's output, written last and atomically: it exists only for a run that finished."""
+    import os
+
+    if out:
+        tmp = out + ".tmp.npz"
+        np.savez(tmp, figures=json.dumps(figures), **arrays)
+        os.replace(tmp, out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m engine.dist_run", description=__doc__)
     ap.add_argument("--model", default="qwen3moe-tiny")
@@ -51,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent node fails the run")
     ap.add_argument("--forced", default=None, help=".npy of tokens to feed (teacher forcing)")
     ap.add_argument("--out", default=None, help="rank 0 writes logits and figures here (.npz)")
+    ap.add_argument("--bare", action="store_true",
+                    help="no model run: time bare exchanges of one decode layer's bytes with every node")
     ap.add_argument("--pid-dir", default=None, help="each rank writes rank<N>.pid here (for fault tests)")
     a = ap.parse_args(argv)
 
@@ -67,11 +79,26 @@ def main(argv=None):
 
         with open(os.path.join(a.pid_dir, f"rank{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
-    spec = registry.get_spec(a.model)
+    cfg = json.loads((registry.model_dir(a.model) / "config.json").read_text())
+    spec = dict(layers=cfg["num_hidden_layers"], experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                hidden=cfg["hidden_size"], dtype=cfg.get("torch_dtype", "float16"))
     num_layers = spec["layers"]
     where, meta = placement_for(a, num_layers, spec["experts"], world)
     model_dt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[spec["dtype"]]
     wire = model_dt if a.wire == "model" else multinode.DTYPES[a.wire]
+    if a.bare:
+        if rank != 0:
+            multinode.serve_bare(group, dog, spec["hidden"], wire)
+            return
+        links = {n: multinode.Link(group, n, dog, wire) for n in range(1, world)}
+        kmax = max(1, -(-spec["top_k"] // world))  # an even share of a token's experts per node
+        rtts = multinode.bare_exchanges(links, spec["hidden"], kmax, num_layers * a.tokens, wire)
+        multinode.stop_all(group, links)
+        figures = dict(nodes=world, rtt_ms_median=1e3 * float(np.median(rtts)), wire=str(wire),
+                       bytes_per_exchange=sum(l.bytes_sent + l.bytes_received for l in links.values()) / len(rtts))
+        _write(a.out, figures)
+        print(json.dumps(figures), flush=True)
+        return
     if rank != 0:
         multinode.serve(group, dog, a.model, where, wire)
         return
@@ -96,13 +123,8 @@ def main(argv=None):
         rtt_ms_median=1e3 * float(np.median(stats["rtt_s"])) if stats["rtt_s"] else None,
         remote_share=float((where != 0).mean()), wire=str(wire), **meta,
     )
-    if a.out:
-        import os
-
-        tmp = a.out + ".tmp.npz"
-        np.savez(tmp, tokens=np.array(tokens), prompt=np.array(ids), figures=json.dumps(figures),
-                 **{f"logits_{i}": l for i, l in enumerate(logits)})
-        os.replace(tmp, a.out)  # rank 0's output appears only for a run that finished
+    _write(a.out, figures, tokens=np.array(tokens), prompt=np.array(ids),
+           **{f"logits_{i}": l for i, l in enumerate(logits)})
     print(json.dumps(figures), flush=True)
 
 

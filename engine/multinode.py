@@ -246,6 +246,39 @@ def model_dtype(model):
     return model.model.norm.weight.dtype
 
 
+def serve_bare(group, dog, hidden: int, wire):
+    """A remote node that answers every request with zeros of the result's shape: the bare
+    exchange of the same bytes as an engine layer, without any compute."""
+    link = Link(group, 0, dog, wire)
+    while True:
+        header = mx.distributed.recv((4,), mx.int32, 0, group=group)
+        mx.eval(header)
+        cmd, _, rows, kmax = (int(v) for v in np.array(header))
+        if cmd == STOP:
+            break
+        link.recv((rows, kmax), mx.int32)
+        link.recv((rows, hidden), wire)
+        link.send(mx.zeros((rows, kmax, hidden), dtype=wire))
+
+
+def bare_exchanges(links, hidden, kmax, count, wire):
+    """Node 0's side of `serve_bare`: `count` layer-like round trips to every remote node;
+    returns the seconds of each round trip (send to all, then receive from all)."""
+    x = mx.zeros((1, hidden), dtype=wire)
+    idx = mx.zeros((1, kmax), dtype=mx.int32)
+    header = mx.array([COMPUTE, 0, 1, kmax], dtype=mx.int32)
+    mx.eval(x, idx, header)
+    out = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        for link in links.values():
+            link.send(header, idx, x)
+        for link in links.values():
+            link.recv((1, kmax, hidden), wire)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def stop_all(group, links):
     for link in links.values():
         mx.eval(mx.distributed.send(mx.array([STOP, 0, 0, 0], dtype=mx.int32), link.peer, group=group))

@@ -17,9 +17,10 @@ RUN = rawlog.new_run_id()
 # `snakemake figures` regenerates tables and figures from the raw logs already there.
 FIGURES_ONLY = "figures" in sys.argv[1:]
 
-TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss"]
+TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss",
+          "placement_sim", "multinode"]
 FIGURES = ["design", "throughput_vs_slots", "stall_vs_slots", "miss_breakdown", "predictor_recall",
-           "routing", "train_loss"]
+           "routing", "train_loss", "placement"]
 FITTED = ["popularity", "transition", "probe"]
 
 
@@ -52,7 +53,7 @@ def check_models():
     """Refuse unknown models and absent real weights before any job runs."""
     for section in (config, config["smoke"]):
         for m in (section["prefetch_online"]["models"] + section["design"]["parity_models"]
-                  + section["routing"]["models"]):
+                  + section["routing"]["models"] + section["placement"]["models"]):
             s = spec(m)
             if s["kind"] == "real":
                 try:
@@ -86,6 +87,9 @@ def raw_outputs(out):
     files += expand(f"{out}/raw/C/predictor_quality/{RUN}-{{model}}-{{pset}}.jsonl",
                     model=po["models"], pset=po["prompt_sets"])
     files += expand(f"{out}/raw/C/routing/{RUN}-{{model}}.jsonl", model=s["routing"]["models"])
+    files += expand(f"{out}/raw/F/placement_sim/{RUN}-{{model}}.jsonl", model=s["placement"]["models"])
+    if s["placement"]["measured_nodes"]:
+        files += expand(f"{out}/raw/F/multinode/{RUN}-{{model}}.jsonl", model=s["placement"]["models"])
     return files
 
 

@@ -178,6 +178,36 @@ def train_loss(figdir):
     _save(fig, figdir, "train_loss")
 
 
+def placement(figdir):
+    sim, meas = _read(figdir, "placement_sim"), _read(figdir, "multinode")
+    if sim.empty and meas.empty:
+        return _empty(figdir, "placement", "gate F results")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    if not sim.empty:
+        s = sim[sim["strategy"] != "adaptive"]
+        s = s[s["capacity_share"] == s["capacity_share"].min()]
+        for (strategy, n), g in s.groupby(["strategy", "nodes"]):
+            g = g.sort_values("link")
+            axes[0].plot(g["link"], g["replayed"], marker="o", linestyle=LINES.get(strategy, "-"),
+                         label=f"{strategy}, {n} nodes")
+        axes[0].set_xscale("log")
+        axes[0].set_xlabel("link cost rho (units of c)")
+        axes[0].set_ylabel("cost per token (replayed on eval traces)")
+        axes[0].set_title(f"Simulated placement cost (capacity {s['capacity_share'].min():g} of experts per node)")
+        axes[0].legend(fontsize=6)
+    if not meas.empty:
+        for n, g in meas.groupby("nodes"):
+            axes[1].scatter(g["expected"], g["ms_per_token"], label=f"{n} nodes")
+            for r in g.itertuples():
+                axes[1].annotate(r.strategy, (r.expected, r.ms_per_token), fontsize=6)
+        axes[1].set_xlabel("expected cost per token (simulated)")
+        axes[1].set_ylabel("measured ms per token (local processes)")
+        axes[1].set_title("Measured against simulated, per placement")
+        axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, figdir, "placement")
+
+
 def build(figdir):
     design(figdir)
     _online(figdir, "throughput_vs_slots", "tok_s", "decode tok/s", "Throughput against slots, by predictor")
@@ -186,3 +216,4 @@ def build(figdir):
     predictor_recall(figdir)
     routing(figdir)
     train_loss(figdir)
+    placement(figdir)

@@ -1,0 +1,35 @@
+rule placement_sim:
+    input:
+        lambda wc: [
+            trace_file(wc.model, pset, split, settings(wc.out)["prefetch_online"]["fit_tokens"])
+            for pset, split in (("general", "fit"), ("general", "eval"), ("code", "eval"))
+        ],
+    output:
+        protected(f"{{out}}/raw/F/placement_sim/{RUN}-{{model}}.jsonl"),
+    log:
+        f"{{out}}/logs/placement_sim-{RUN}-{{model}}.log",
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["placement"],
+        fit_tokens=lambda wc: settings(wc.out)["prefetch_online"]["fit_tokens"],
+    script:
+        "../scripts/gate_f.py"
+
+
+rule multinode:
+    input:
+        lambda wc: trace_file(wc.model, "general", "fit", settings(wc.out)["prefetch_online"]["fit_tokens"]),
+    output:
+        protected(f"{{out}}/raw/F/multinode/{RUN}-{{model}}.jsonl"),
+    log:
+        f"{{out}}/logs/multinode-{RUN}-{{model}}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["placement"],
+        fit_tokens=lambda wc: settings(wc.out)["prefetch_online"]["fit_tokens"],
+    script:
+        "../scripts/gate_f.py"
