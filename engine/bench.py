@@ -9,7 +9,6 @@
 Speed is reported, never asserted: the machines are noisy.
 """
 
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,8 @@ def add_args(p):
     p.add_argument("--depths", type=int, nargs="*", default=[1, 2, 3], help="prefetch: depths")
     p.add_argument("--prompts", type=int, default=4, help="prefetch: eval prompts of --set to decode")
     p.add_argument("--set", choices=["general", "code"], default="general", help="prefetch: prompt set")
-    p.add_argument("--out", default=None, help="append the result as one JSON line to this file")
+    p.add_argument("--record", action="store_true",
+                   help="also write the result as a raw record under results/raw/bench/<which>/")
 
 
 def _median(xs):
@@ -256,10 +256,12 @@ def prefetch_bench(a):
 
 
 def main(a):
-    from . import provenance
+    from . import provenance, rawlog
 
+    started = provenance.utc_now()
     out = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench}[a.which](a)
-    if a.out:
-        rec = provenance.stamp(out, command=sys.argv, seed=None)
-        with open(a.out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    if a.record:
+        cfg = {k: v for k, v in vars(a).items() if k not in ("fn", "record")}
+        path = rawlog.write_run("bench", a.which, [out], config=cfg, seed=None, started=started,
+                                command=["python", "-m", "engine", *sys.argv[1:]], model=out.get("model"), revision=None)
+        print(f"raw record: {path}")

@@ -47,6 +47,10 @@ def simulate(model_id, tokens, nodes_list, links, capacities, ssd, hot, every):
     return out
 
 
+def spec_top_k(model) -> int:
+    return next(layer.mlp.top_k for layer in model.layers if hasattr(layer.mlp, "switch_mlp"))
+
+
 def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share, link, ssd, timeout=600):
     """Measured runs on local processes for every strategy; each compared with one node."""
     from . import multinode
@@ -68,7 +72,10 @@ def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share
         for n in nodes_list:
             nodes = node_config(n, link, cap)
             for strategy in strategies:
+                # node 0 holds its share in its slot table; the rest of its experts are read on demand
+                slots = max(spec_top_k(ref), min(E, int(capacity_share * E)))
                 args = ["--model", model_id, "--prompt", prompt, "--tokens", tokens, "--placement", strategy,
+                        "--slots", slots,
                         "--popularity", tmp / "pi.npy", "--forced", tmp / "forced.npy", "--timeout", 120,
                         "--node-cost", *[x.cost for x in nodes], "--node-capacity", *[x.capacity for x in nodes],
                         "--node-link", *[x.link for x in nodes]]
@@ -78,7 +85,7 @@ def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share
                 logits = [z[f"logits_{i}"] for i in range(len(ref_logits))]
                 diff = max(float(np.abs(a - b).max()) for a, b in zip(ref_logits, logits))
                 p = pl.STRATEGIES[strategy](pi, nodes, 1.0, 0)
-                out.append(dict(model=model_id, kind="measured", nodes=n, strategy=strategy, link=link,
+                out.append(dict(model=model_id, kind="measured", nodes=n, strategy=strategy, link=link, slots=slots,
                                 capacity_share=capacity_share, ssd=ssd,
                                 expected=pl.expected_cost(p, pi, nodes, ssd),
                                 ms_per_token=1e3 / figures["tok_s"], max_abs_logit_diff=diff, launch_seconds=wall,

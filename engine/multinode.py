@@ -106,10 +106,11 @@ class DistributedSwitchGLU(SlotSwitchGLU):
 
     def __init__(self, glu, table, cache, layer, executes_on: np.ndarray, links: dict, stats: dict):
         super().__init__(glu, table, cache, layer)
-        self._where = executes_on  # (E,) node index executing each expert of this layer
+        # (E,) node executing each expert of this layer; the SSD tier (-1) is node 0's table
+        self._where = np.maximum(executes_on, 0)
         self._links = links
         self._stats = stats
-        local = np.flatnonzero(executes_on == 0)
+        local = np.flatnonzero(self._where == 0)
         self._filler = int(local[0]) if len(local) else None
 
     def __call__(self, x, indices):

@@ -9,6 +9,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 LINES = {"none": "-", "popularity": ":", "previous": "-.", "transition": "--", "probe": (0, (5, 1)), "oracle": "-"}
+COLORS = {"none": "C0", "popularity": "C2", "previous": "C4", "transition": "C3", "probe": "C1", "oracle": "k",
+          "lru": "C7", "belady": "C8"}
 
 
 def _read(figdir, name):
@@ -74,7 +76,7 @@ def _online(figdir, name, column, ylabel, title):
                 h = h[h["depth"] == h["depth"].min()]
             h = h.sort_values("slots")
             ax.plot(h["slots"], h[column], linestyle=LINES.get(pred, "-"), marker="o" if pset == "general" else "s",
-                    label=f"{pred} ({pset})", linewidth=2 if pred in ("none", "oracle") else 1)
+                    color=COLORS.get(pred), label=f"{pred} ({pset})", linewidth=2 if pred in ("none", "oracle") else 1)
         if column == "tok_s":
             for pset, h in g[g["predictor"] == "mlx-lm"].groupby("prompt_set"):
                 ax.axhline(h[column].iloc[0], color="k", linewidth=0.8, linestyle="--")
@@ -125,7 +127,8 @@ def predictor_recall(figdir):
         g = df[(df["model"] == model) & (df["prompt_set"] == pset)]
         for pred, h in g.groupby("predictor"):
             h = h.sort_values("depth")
-            ax.plot(h["depth"], h["recall"], marker="o", linestyle=LINES.get(pred, "-"), label=pred)
+            ax.plot(h["depth"], h["recall"], marker="o", linestyle=LINES.get(pred, "-"), color=COLORS.get(pred),
+                    label=pred)
         ax.set_title(f"{model}, {pset}", fontsize=8)
         ax.set_xlabel("depth d")
         ax.set_ylabel("recall at top-k")

@@ -1,0 +1,70 @@
+"""The trained embedded model: deterministic data and tokenizer, a model that loads through
+the registry, and an engine that stays bit-exact on it at S = E/4 (a 3-step training run
+through the same code path stands in for the 20-minute one)."""
+
+import numpy as np
+import pytest
+import yaml
+
+from engine import registry, train
+
+
+@pytest.fixture(scope="module")
+def short_training(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trained")
+    cfg = yaml.safe_load(registry.config_path().read_text())
+    for mid in ("olmoe-trained", "olmoe-trained-f32"):
+        cfg["models"][mid]["training"] = dict(cfg["models"][mid]["training"], steps=3, code_bytes=200_000)
+    models = tmp / "models.yaml"
+    models.write_text(yaml.safe_dump(cfg))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TITAN_MODELS", str(models))
+    mp.setenv("TITAN_RESOURCES", str(tmp / "resources"))
+    out = train.train("olmoe-trained")
+    yield out
+    mp.undo()
+
+
+def test_data_and_tokenizer_are_deterministic(tmp_path):
+    spec = registry.get_spec("olmoe-trained")
+    spec["training"] = dict(spec["training"], code_bytes=200_000)
+    a_streams, a = train.data(spec, tmp_path / "a")
+    b_streams, b = train.data(spec, tmp_path / "b")
+    assert a == b
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    assert all((a_streams[k] == b_streams[k]).all() for k in a_streams)
+    other, c = train.data(dict(spec, training=dict(spec["training"], seed=1)), tmp_path / "c")
+    assert c != a  # another seed draws other source files
+
+
+def test_eval_prompts_are_held_out_of_training():
+    from engine import prompts
+
+    general, code = train.corpus(0, 200_000)
+    for p in prompts.load("code", "eval"):
+        assert p["text"] not in code
+
+
+def test_trained_model_loads_and_stays_bit_exact(short_training):
+    from engine.runtime import Engine, EngineConfig, decode, load_reference
+
+    assert len(short_training["curve"]) == 3
+    assert all(np.isfinite(c["loss"]) for c in short_training["curve"])
+    for mid, dtype in (("olmoe-trained", "float16"), ("olmoe-trained-f32", "float32")):
+        model, tok, spec = load_reference(mid)
+        assert str(model.model.norm.weight.dtype).endswith(dtype)
+        ids = tok.encode("def main():\n    return 0")
+        tokens, _, ref = decode(model, ids, 8, keep_logits=True)
+        eng = Engine.load(mid, EngineConfig(slots=spec["experts"] // 4))
+        try:
+            _, recs, got = decode(eng.model, ids, 8, forced=tokens, keep_logits=True)
+        finally:
+            eng.close()
+        assert sum(r["misses"] for r in recs) > 0
+        assert max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) == 0.0
+
+
+def test_untrained_model_says_how_to_train(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_RESOURCES", str(tmp_path))
+    with pytest.raises(registry.RegistryError, match="python -m engine train olmoe-trained"):
+        registry.model_dir("olmoe-trained-f32")
