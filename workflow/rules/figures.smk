@@ -2,11 +2,14 @@ rule plots:
     input:
         expand("{{figdir}}/tables/{t}.csv", t=TABLES),
     output:
-        report(
-            expand("{{figdir}}/{f}.png", f=FIGURES),
-            caption="../report/figures.rst",
-            category="Figures",
-        ),
+        report("{figdir}/design.png", caption="../report/design.rst", category="Gate B"),
+        report("{figdir}/throughput_vs_slots.png", caption="../report/throughput_vs_slots.rst", category="Gate C"),
+        report("{figdir}/stall_vs_slots.png", caption="../report/stall_vs_slots.rst", category="Gate C"),
+        report("{figdir}/miss_breakdown.png", caption="../report/miss_breakdown.rst", category="Gate C"),
+        report("{figdir}/predictor_recall.png", caption="../report/predictor_recall.rst", category="Gate C"),
+        report("{figdir}/routing.png", caption="../report/routing.rst", category="Routing"),
+        report("{figdir}/train_loss.png", caption="../report/train_loss.rst", category="Routing"),
+        report("{figdir}/placement.png", caption="../report/placement.rst", category="Gate F"),
         expand("{{figdir}}/{f}.pdf", f=FIGURES),
     log:
         "results/logs/plots/{figdir}.log",
