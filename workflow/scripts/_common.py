@@ -1,8 +1,7 @@
-"""Shared by the workflow's scripts: logging to the rule's log, and the command line that a
-raw record names (Snakemake runs scripts in a subprocess of its own)."""
+"""Shared by the workflow's scripts: a gate's measurement logged to the rule's log and written
+as one raw file with full provenance (Snakemake runs scripts in a subprocess of its own)."""
 
 import contextlib
-import sys
 
 
 @contextlib.contextmanager
@@ -14,3 +13,22 @@ def logged(snakemake):
 def command(snakemake) -> str:
     wc = " ".join(f"{k}={v}" for k, v in snakemake.wildcards.items())
     return f"snakemake {snakemake.rule} ({wc}) -> {' '.join(snakemake.output)}".replace("  ", " ")
+
+
+def run_gate(snakemake, gate: str, experiment: str, measure):
+    """Run `measure()` (a list of result dicts) and write them to the rule's raw output. A
+    measurement that raises writes nothing."""
+    from engine import provenance, rawlog, registry
+
+    wc = dict(snakemake.wildcards.items())
+    model = wc.get("model")
+    with logged(snakemake):
+        started = provenance.utc_now()
+        spec = registry.get_spec(model) if model else {}
+        results = measure()
+        for r in results:
+            print(r, flush=True)
+        config = dict(snakemake.params.settings, **{k: v for k, v in wc.items() if k != "out"})
+        rawlog.write_run(gate, experiment, results, config=config, seed=spec.get("seed", 0), started=started,
+                         path=snakemake.output[0], command=command(snakemake), model=model,
+                         revision=spec.get("revision"))
