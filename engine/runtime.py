@@ -3,7 +3,7 @@ the expert store, and runs greedy decoding with per-token figures."""
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -217,5 +217,3 @@ def summarize(records) -> dict:
     return out
 
 
-def config_dict(config: EngineConfig) -> dict:
-    return asdict(config)
