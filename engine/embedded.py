@@ -272,7 +272,7 @@ def _sha256(path) -> str:
     return h.hexdigest()
 
 
-def check_or_build(spec, out: Path, build: bool = True):
+def check_or_build(spec, out: Path, allow_build: bool = True):
     """Build `out` if absent; refuse a folder built from another spec (nothing is deleted)."""
     from .registry import RegistryError
 
@@ -286,10 +286,10 @@ def check_or_build(spec, out: Path, build: bool = True):
                 f"model '{spec['id']}' is trained, not built: run `snakemake --cores 2 train` "
                 f"or `python -m engine train {base}` (about 20 minutes on 2 cores)"
             )
-        if not build:
+        if not allow_build:
             raise RegistryError(f"model '{spec['id']}' is not built; run `python -m engine build {spec['id']}`")
         print(f"[titan] building embedded model {spec['id']} into {out} ...", file=sys.stderr, flush=True)
-        return globals()["build"](spec, out)
+        return build(spec, out)
     try:
         digest = json.loads(manifest.read_text())["spec_digest"]
     except (ValueError, KeyError) as e:

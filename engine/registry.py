@@ -126,7 +126,7 @@ def model_dir(model_id: str, build: bool = True) -> Path:
     from . import embedded
 
     out = resources_dir() / "models" / model_id
-    embedded.check_or_build(spec, out, build=build)
+    embedded.check_or_build(spec, out, allow_build=build)
     return out
 
 

@@ -199,7 +199,7 @@ def save_variant(weights, config, spec, work: Path, data_digest: str) -> Path:
     tmp.mkdir(parents=True)
     params = dict(tree_flatten(model.parameters()))
     mx.eval(params)
-    st = {"uint32": "U32", "float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+    st = embedded._ST_DTYPES
     tensors = {k: (st[str(v.dtype).rsplit(".", 1)[-1]], tuple(v.shape), bytes(memoryview(mx.contiguous(v)).cast("B")))
                for k, v in params.items()}
     embedded.write_safetensors(tmp / "model.safetensors", tensors, {"format": "mlx"})
