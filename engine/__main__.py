@@ -11,8 +11,9 @@ def _add_engine_args(p):
     p.add_argument("--model", default="olmoe-tiny", help="model id from configs/models.yaml (default: olmoe-tiny)")
     p.add_argument("--slots", type=int, default=None, help="slots per MoE layer (default: every expert)")
     p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache", help="storage tier of the expert store")
-    p.add_argument("--install", choices=["inplace", "copy"], default="inplace",
-                   help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write")
+    p.add_argument("--install", choices=["auto", "inplace", "copy"], default="auto",
+                   help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write; "
+                        "auto: inplace on the CPU, copy on a GPU")
     p.add_argument("--readers", type=int, default=4, help="reader threads of the expert store")
     p.add_argument("--eviction", choices=["lru", "lfu", "lru-predicted"], default="lru",
                    help="eviction policy of the slot tables")
@@ -100,7 +101,7 @@ def cmd_decode(a):
         print(a.prompt + tok.decode(tokens))
         print("---")
         hr = "n/a (all resident)" if s.get("hit_rate") is None else f"{s['hit_rate']:.3f}"
-        print(f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={a.install}: "
+        print(f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.tables[0].install_mode if eng.tables else a.install}: "
               f"{s['tok_s']:.2f} tok/s over {s['tokens']} tokens, hit rate {hr}, "
               f"{s['bytes_read_per_token'] / 1e6:.2f} MB read/token, stall {1e3 * s['stall_s_per_token']:.2f} ms/token")
         if s.get("misses"):

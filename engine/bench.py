@@ -78,6 +78,41 @@ def _expert_batches(num_experts, k, n):
     return [[int(order[(i * k + j) % num_experts]) for j in range(k)] for i in range(n)]
 
 
+class _CupyH2D:
+    """The floor of a GPU miss: `preadv` into pinned host memory, then one `cudaMemcpy` to
+    device memory (CuPy, when it is installed; used only as a measuring stick)."""
+
+    name = "preadv into pinned host memory + cudaMemcpy (CuPy)"
+
+    def __init__(self, nbytes):
+        import cupy
+
+        self.cupy = cupy
+        self._pinned = cupy.cuda.alloc_pinned_memory(nbytes)
+        self.host = np.frombuffer(self._pinned, np.uint8, nbytes)
+        self.dev = cupy.empty(nbytes, cupy.uint8)
+        self.nbytes = nbytes
+
+    def copy(self):
+        rt = self.cupy.cuda.runtime
+        rt.memcpy(self.dev.data.ptr, self.host.ctypes.data, self.nbytes, rt.memcpyHostToDevice)
+
+    def sync(self):
+        self.cupy.cuda.runtime.deviceSynchronize()
+
+
+def _h2d_copier(nbytes):
+    from . import device
+
+    if device.kind() != "gpu":
+        return None
+    try:
+        return _CupyH2D(nbytes)
+    except Exception as exc:  # no CuPy: the ratio to a raw host read alone still stands
+        print(f"  (no host-to-device baseline: {type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+
+
 def miss(a):
     from . import registry
     from .moe import ExpertCache
@@ -101,6 +136,9 @@ def miss(a):
     # Two raw baselines: one reused buffer (cache-hot destination, the floor) and the slot
     # table's own memory (the same destination footprint as the engine).
     results = {"raw_preadv": [], "raw_preadv_into_slots": []}
+    h2d = _h2d_copier(store.record_bytes)
+    if h2d:
+        results["raw_preadv_h2d"] = []
     raw_table = SlotTable(0, E, K, store.tensors)
     for r in a.readers:
         results[f"engine_inplace_r{r}"] = []
@@ -118,6 +156,15 @@ def miss(a):
                 os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
             os.preadv(fd, [raw_buf], e * store.record_bytes)
         results["raw_preadv"].append((time.perf_counter() - t0) / K)
+        if h2d:
+            t0 = time.perf_counter()
+            for e in batch:
+                if a.tier == "cold":
+                    os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
+                os.preadv(fd, [h2d.host], e * store.record_bytes)
+                h2d.copy()
+            h2d.sync()
+            results["raw_preadv_h2d"].append((time.perf_counter() - t0) / K)
         t0 = time.perf_counter()
         for j, e in enumerate(batch):
             if a.tier == "cold":
@@ -142,21 +189,98 @@ def miss(a):
     for s in stores.values():
         s.close()
     med = {k: 1e3 * _median(v) for k, v in results.items()}
-    out = dict(bench="miss", model=mid, tier=a.tier, expert_bytes=store.expert_bytes, batch=K,
+    from . import device
+
+    out = dict(bench="miss", model=mid, tier=a.tier, device=device.kind(), expert_bytes=store.expert_bytes, batch=K,
                batches=len(batches), per_miss_ms=med,
                copy_split_ms={k: 1e3 * _median(v) for k, v in split.items()},
                ratio_vs_raw={k: v / med["raw_preadv"] for k, v in med.items()})
+    if h2d:
+        out["h2d_baseline"] = h2d.name
+        out["ratio_vs_raw_h2d"] = {k: v / med["raw_preadv_h2d"] for k, v in med.items()}
     print(f"{mid}: per-miss cost of one {store.expert_bytes:,}-byte expert, tier {a.tier}, median of {len(batches)} batches of {K}")
     for k, v in med.items():
         print(f"  {k:20s} {v:7.3f} ms   x{out['ratio_vs_raw'][k]:.2f} of raw preadv")
     print("  copy mode split: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out["copy_split_ms"].items()))
+    if h2d:
+        print(f"  against {h2d.name}: " + ", ".join(f"{k} x{v:.2f}" for k, v in out["ratio_vs_raw_h2d"].items()))
     return out
+
+
+def _install_diagnosis(store, views, S, repeats):
+    """Where one copy-mode install's time goes, on this device: making the MLX arrays, the
+    slot write of arrays the device has already read, a fresh array's first device read, and
+    the same for one array holding eight experts. Medians in ms per expert."""
+    import mlx.core as mx
+
+    from .moe import _to_mx
+    from .slots import SlotTable
+
+    E = store.num_experts(0)
+    t = SlotTable(0, E, S, store.tensors, install="copy")
+    ts = store.tensors
+
+    def arrays(e):
+        return [_to_mx(v, spec.dtype) for v, spec in zip(views[e], ts)]
+
+    parts = {k: [] for k in ("array", "first_device_read", "write_after_read", "write_resident", "fresh_write",
+                             "batched8_array", "batched8_write")}
+    for i in range(repeats):
+        e = i % 8
+        t0 = time.perf_counter()
+        arrs = arrays(e)
+        mx.eval(arrs)
+        t1 = time.perf_counter()
+        mx.eval([x.sum() for x in arrs])  # the device's first read of the new arrays
+        t2 = time.perf_counter()
+        t.install_arrays((2 * i) % S, arrs)
+        mx.eval(t.buffers)
+        t3 = time.perf_counter()
+        t.install_arrays((2 * i + 1) % S, arrs)  # same arrays again: they are resident now
+        mx.eval(t.buffers)
+        t4 = time.perf_counter()
+        fresh = arrays((e + 1) % 8)
+        mx.eval(fresh)
+        t5 = time.perf_counter()
+        t.install_arrays((2 * i) % S, fresh)
+        mx.eval(t.buffers)
+        t6 = time.perf_counter()
+        parts["array"].append(t1 - t0)
+        parts["first_device_read"].append(t2 - t1)
+        parts["write_after_read"].append(t3 - t2)
+        parts["write_resident"].append(t4 - t3)
+        parts["fresh_write"].append(t6 - t5)
+        # eight experts in one host array: one allocation, one transfer
+        rec = np.concatenate([np.concatenate([v.reshape(-1).view(np.uint8) for v in views[x]]) for x in range(8)])
+        t7 = time.perf_counter()
+        big = mx.array(rec)
+        mx.eval(big)
+        t8 = time.perf_counter()
+        off = 0
+        for x in range(8):
+            arrs = []
+            for spec in ts:
+                raw = big[off: off + spec.nbytes]
+                off += spec.nbytes
+                arrs.append(raw.view(mx_dtype_of(spec.dtype)).reshape(spec.shape))
+            t.install_arrays((x * 7 + i) % S, arrs)
+        mx.eval(t.buffers)
+        t9 = time.perf_counter()
+        parts["batched8_array"].append((t8 - t7) / 8)
+        parts["batched8_write"].append((t9 - t8) / 8)
+    return {k: 1e3 * _median(v) for k, v in parts.items()}
+
+
+def mx_dtype_of(name):
+    import mlx.core as mx
+
+    return getattr(mx, name)
 
 
 def install(a):
     import mlx.core as mx
 
-    from . import registry
+    from . import device, registry
     from .moe import _to_mx
     from .runtime import open_store
     from .slots import SlotTable
@@ -178,23 +302,31 @@ def install(a):
                 if mode == "inplace":
                     for d, v in zip(t.dests(slot), views[e]):
                         d[:] = v.reshape(-1).view(np.uint8)
+                    # the device's first read of the slot (a host write moves pages on a GPU)
+                    mx.eval([b[slot].sum() for b in t.buffers])
                 else:
                     t.install_arrays(slot, [_to_mx(v, ts.dtype) for v, ts in zip(views[e], store.tensors)])
-                    mx.eval(t.buffers)
+                    mx.eval([b[slot].sum() for b in t.buffers])
                 times.append(time.perf_counter() - t0)
             per[f"{mode}_S{S}"] = 1e3 * _median(times)
             del t
             mx.clear_cache()
+    diag = _install_diagnosis(store, views, 64, a.repeats * 8)
     store.close()
-    out = dict(bench="install", model=mid, expert_bytes=store.expert_bytes, install_ms=per,
-               ratio_S64_vs_S8={m: per[f"{m}_S64"] / per[f"{m}_S8"] for m in ("inplace", "copy")})
+    out = dict(bench="install", model=mid, device=device.kind(), expert_bytes=store.expert_bytes, install_ms=per,
+               ratio_S64_vs_S8={m: per[f"{m}_S64"] / per[f"{m}_S8"] for m in ("inplace", "copy")},
+               diagnosis_ms=diag,
+               ratio_fresh_vs_parts=diag["fresh_write"] / (diag["array"] + diag["write_resident"]),
+               gb_s={k: store.expert_bytes / v / 1e6 for k, v in per.items()})
     buf_mb = {S: S * store.expert_bytes / 1e6 for S in (8, 64)}
-    print(f"{mid}: installing one {store.expert_bytes:,}-byte expert (median of {a.repeats * 8})")
+    print(f"{mid} on {device.kind()}: installing one {store.expert_bytes:,}-byte expert (median of {a.repeats * 8})")
     for k, v in per.items():
         S = int(k.rsplit("S", 1)[1])
-        print(f"  {k:12s} {v:7.3f} ms  (buffer {buf_mb[S]:.0f} MB)")
+        print(f"  {k:12s} {v:7.3f} ms  {out['gb_s'][k]:6.2f} GB/s  (buffer {buf_mb[S]:.0f} MB)")
     for m, r in out["ratio_S64_vs_S8"].items():
         print(f"  {m}: S=64 / S=8 = {r:.2f}")
+    print("  where a copy-mode install goes (ms per expert): " + ", ".join(f"{k} {v:.3f}" for k, v in diag.items()))
+    print(f"  fresh write / (array + write of a resident array) = {out['ratio_fresh_vs_parts']:.2f}")
     return out
 
 

@@ -77,9 +77,18 @@ class ExpertCache:
         table = self.tables[layer]
         for e in range(table.num_experts):
             table.claim(e)
-        futures = [self.store.submit(layer, e, table.dests(e)) for e in range(table.num_experts)]
-        for f in futures:
-            f.result()
+        if table.install_mode == "inplace":
+            futures = [self.store.submit(layer, e, table.dests(e)) for e in range(table.num_experts)]
+            for f in futures:
+                f.result()
+        else:
+            batch = 8  # bounds the host records held at once
+            for first in range(0, table.num_experts, batch):
+                experts = range(first, min(first + batch, table.num_experts))
+                views, _ = self.store.read_batch(layer, experts)
+                for e in experts:
+                    table.install_arrays(e, [_to_mx(v, t.dtype) for v, t in zip(views[e], table.tensors)])
+                mx.eval(table.buffers)
         table.bytes_read += table.num_experts * self.store.expert_bytes
 
     def ensure(self, layer: int, experts: np.ndarray, hidden=None, last=None):

@@ -37,7 +37,7 @@ def summarize(acc) -> dict:
 
 
 def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts, tokens,
-          readers=4, fit_tokens=32, install="inplace", progress=None):
+          readers=4, fit_tokens=32, install="auto", progress=None):
     """One result dict per configuration (see `configs`)."""
     ref, tok, spec = load_reference(model_id)
     E = spec["experts"]

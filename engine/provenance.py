@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -28,6 +29,10 @@ def git_state(root=REPO_ROOT) -> dict:
         dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip()) if commit else None
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
+    if commit is None and os.environ.get("TITAN_COMMIT"):
+        # A copy of the tree without .git (a remote machine): the launcher says what it sent.
+        commit = os.environ["TITAN_COMMIT"]
+        dirty = os.environ.get("TITAN_DIRTY", "").lower() in ("1", "true", "yes")
     return {"commit": commit, "dirty": dirty}
 
 
@@ -67,7 +72,30 @@ def _version(pkg):
     try:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
+        if pkg == "titan-engine":  # run from a source tree that was not pip-installed
+            from . import __version__
+
+            return __version__
         return None
+
+
+def nvidia() -> dict:
+    """GPU name, driver and CUDA version as `nvidia-smi` reports them (no serials or UUIDs)."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        head = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out = {}
+    line = q.stdout.strip().splitlines()[0] if q.stdout.strip() else ""
+    if line:
+        name, driver, mem = (x.strip() for x in line.split(",")[:3])
+        out.update(gpu=name, driver=driver, gpu_memory=mem)
+    m = re.search(r"CUDA Version:\s*([0-9.]+)", head)
+    if m:
+        out["cuda"] = m.group(1)
+    return out
 
 
 def device() -> dict:
@@ -81,6 +109,7 @@ def device() -> dict:
             out["gpu"] = info.get("device_name") or info.get("architecture")
         except Exception:
             pass
+        out.update(nvidia())
     return out
 
 
@@ -95,6 +124,8 @@ def environment() -> dict:
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("mlx", "mlx-lm", "numpy", "titan-engine")},
     }
+    if _version("mlx-cuda-13"):
+        env["versions"]["mlx-cuda-13"] = _version("mlx-cuda-13")
     env.update(device())
     return env
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import registry, store as store_mod
+from . import device, registry, store as store_mod
 from .moe import ExpertCache, SlotSwitchGLU, StepStats
 from . import predictors, prefetch
 from .prefetch import NoPrefetch
@@ -21,7 +21,7 @@ from .slots import SlotTable
 class EngineConfig:
     slots: int | None = None  # None: every expert resident (S = E)
     tier: str = "page_cache"
-    install: str = "inplace"
+    install: str = "auto"  # inplace on the CPU, copy on a GPU (engine.device says why)
     readers: int = 4
     eviction: str = "lru"
     verify: str = "first"
@@ -67,8 +67,9 @@ class Engine:
         self.store = open_store(spec["id"], model, model_path, config.tier, config.readers, config.verify)
         if self.store.num_layers != len(blocks):
             raise store_mod.StoreError(f"{self.store.path}: {self.store.num_layers} MoE layers, model has {len(blocks)}")
+        install = device.resolve_install(config.install)
         self.tables = [
-            SlotTable(o, num_experts, slots, self.store.tensors, config.eviction, config.install)
+            SlotTable(o, num_experts, slots, self.store.tensors, config.eviction, install)
             for o in range(len(blocks))
         ]
         self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch())

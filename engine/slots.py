@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-INSTALL_MODES = ("inplace", "copy")
+INSTALL_MODES = ("inplace", "copy")  # `auto` (engine option) picks one per device: engine.device
 
 
 class LRU:
@@ -139,9 +139,17 @@ class SlotTable:
         self.slots = slots
         self.tensors = list(tensors)
         self.install_mode = install
-        self.buffers = [aligned_zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
-        # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
-        self._rows = [memoryview(b).cast("B") for b in self.buffers]
+        if install == "inplace":
+            self.buffers = [aligned_zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
+            # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
+            self._rows = [memoryview(b).cast("B") for b in self.buffers]
+        else:
+            # No host view is ever taken: on a GPU it would move the buffers out of device memory.
+            import mlx.core as mx
+
+            self.buffers = [mx.zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
+            mx.eval(self.buffers)
+            self._rows = None
         self.slot_of = np.full(num_experts, -1, np.int64)
         self.expert_in = np.full(slots, -1, np.int64)
         self.policy = make_policy(policy, slots)
@@ -158,7 +166,7 @@ class SlotTable:
     def dests(self, slot: int) -> list:
         """Writable views of one slot's nine tensors, in store order (for one `preadv`)."""
         if self._rows is None:
-            raise RuntimeError("slot memory was replaced by a copy-mode install: no direct writes")
+            raise RuntimeError(f"MoE layer {self.layer}: a {self.install_mode}-mode table takes no direct writes")
         return [row[slot * t.nbytes : (slot + 1) * t.nbytes] for row, t in zip(self._rows, self.tensors)]
 
     def touch(self, experts):
@@ -195,7 +203,8 @@ class SlotTable:
 
     def install_arrays(self, slot: int, arrays):
         """Copy mode: write MLX arrays (made in this thread) into a slot, lazily."""
-        self._rows = None  # `buf[slot] = a` makes new buffers: the byte views would go stale
+        if self.install_mode != "copy":
+            raise RuntimeError(f"MoE layer {self.layer}: install_arrays on an {self.install_mode}-mode table")
         for buf, a in zip(self.buffers, arrays):
             buf[slot] = a
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# How the committed GPU results were made: on a Linux machine with one NVIDIA GPU whose Python
+# has MLX's CUDA backend importable (here the H200 of the development `device` tool, where
+# mlx[cuda13], mlx-lm and Snakemake's wheels were carried into /tmp/site). On your own GPU
+# machine, `pip install -e '.[cuda]'` and run the same commands (README, "On an NVIDIA GPU").
+#
+# Usage: scripts/device_gpu.sh OUTDIR   (writes OUTDIR/raw.tgz with every new raw file, and logs)
+set -uo pipefail
+out=${1:?usage: scripts/device_gpu.sh OUTDIR}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+marker=$(mktemp)
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+step() {  # a failed step is logged and the next one still runs
+  log "$*"
+  "$@" || log "FAILED ($?): $*"
+}
+collect() {
+  find results/raw -type f -newer "$marker" | sort > "$out/new-raw.txt"
+  tar czf "$out/raw.tgz" -T "$out/new-raw.txt" results/logs 2>/dev/null
+  log "collected $(wc -l < "$out/new-raw.txt") raw files"
+}
+trap collect EXIT
+log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())')"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+step $py -m pytest -q -x tests/test_exactness.py -p no:cacheprovider
+step $py -m engine bench install --record --repeats 3
+step $py -m engine bench throughput --model olmoe-1b-7b-shape --tokens 32 --repeats 3 --slots 16 --record
+step $py -m engine bench miss --repeats 2 --readers 1 4 --record
+step $py -m snakemake --profile profiles/gpu --scheduler greedy gate_b gate_c
+step $py -m engine bench prefetch --model olmoe-1b-7b-shape --slots 16 --predictors oracle probe transition \
+  --depths 1 --prompts 2 --tokens 16 --record
