@@ -21,6 +21,12 @@ def utc_now() -> str:
 
 
 def git_state(root=REPO_ROOT) -> dict:
+    if os.environ.get("TITAN_COMMIT"):
+        # A copy of the tree on another machine: the launcher says what it sent (a .git that
+        # travelled with the copy may be stale; seen on the GPU machine).
+        return {"commit": os.environ["TITAN_COMMIT"],
+                "dirty": os.environ.get("TITAN_DIRTY", "").lower() in ("1", "true", "yes")}
+
     def run(*args):
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
 
@@ -29,10 +35,6 @@ def git_state(root=REPO_ROOT) -> dict:
         dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip()) if commit else None
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    if commit is None and os.environ.get("TITAN_COMMIT"):
-        # A copy of the tree without .git (a remote machine): the launcher says what it sent.
-        commit = os.environ["TITAN_COMMIT"]
-        dirty = os.environ.get("TITAN_DIRTY", "").lower() in ("1", "true", "yes")
     return {"commit": commit, "dirty": dirty}
 
 

@@ -43,11 +43,18 @@ def design(figdir):
     df["machine"] = _machine(df)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     k = df[df["measure"] == "kernel"]
-    for m, g in k.groupby("machine"):
-        axes[0].bar([f"{v}\n{m}" for v in g["variant"]], g["value"])
-    axes[0].set_ylabel("ms per layer per token")
+    variants = sorted(k["variant"].unique())
+    machines = sorted(k["machine"].unique())
+    width = 0.8 / max(len(machines), 1)
+    for i, m in enumerate(machines):
+        g = k[k["machine"] == m].set_index("variant").reindex(variants)
+        axes[0].bar([j + i * width for j in range(len(variants))], g["value"], width, label=m)
+    axes[0].set_xticks([j + width * (len(machines) - 1) / 2 for j in range(len(variants))])
+    axes[0].set_xticklabels([v.replace("_", " ") for v in variants], fontsize=8)
+    axes[0].set_yscale("log")  # CPU and GPU differ by two orders of magnitude
+    axes[0].set_ylabel("ms per layer per token (log)")
     axes[0].set_title("Expert kernels: loop vs gather_qmm vs restack")
-    axes[0].tick_params(axis="x", labelsize=7)
+    axes[0].legend(fontsize=7)
     w = df[df["measure"] == "slot_write"]
     for (m, inst), g in w.groupby(["machine", "variant"]):
         axes[1].plot(g["slots"], g["value"], marker="o", label=f"{inst} ({m})")

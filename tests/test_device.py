@@ -1,0 +1,97 @@
+"""What the engine does differently on an NVIDIA GPU, exercised on the CPU (CI has no GPU):
+the install mode `auto` resolves per device, a copy-mode slot table never takes a host view of
+its buffers (on MLX's CUDA backend a host view moves a buffer out of device memory for good),
+a full table fills through the copy path exactly, and GPU provenance is recorded."""
+
+import json
+import os
+import stat
+
+import mlx.core as mx
+import pytest
+
+from engine import device, provenance
+from engine.runtime import Engine, EngineConfig
+from engine.slots import SlotTable
+from engine.store import TensorSpec
+
+from test_exactness import max_abs_diff, run_engine
+
+TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
+
+
+def test_auto_install_is_inplace_on_cpu_and_copy_on_gpu():
+    assert device.resolve_install("auto", "cpu") == "inplace"
+    assert device.resolve_install("auto", "gpu") == "copy"
+    assert device.resolve_install("copy", "cpu") == "copy"
+    assert device.kind() == "cpu"  # these tests run on the CPU backend
+
+
+def test_engine_default_resolves_auto():
+    eng = Engine.load("olmoe-tiny", EngineConfig(slots=16))
+    try:
+        assert {t.install_mode for t in eng.tables} == {device.default_install()}
+    finally:
+        eng.close()
+
+
+def test_copy_table_takes_no_host_view(monkeypatch):
+    calls = []
+    real = memoryview
+
+    def spy(obj):
+        if isinstance(obj, mx.array):
+            calls.append(obj.shape)
+        return real(obj)
+
+    monkeypatch.setattr("builtins.memoryview", spy)
+    table = SlotTable(0, 8, 4, TENSORS, install="copy")
+    table.install_arrays(table.claim(3), [mx.arange(4, dtype=mx.float32)])
+    mx.eval(table.buffers)
+    assert calls == [], "a copy-mode table took a host view of an MLX buffer"
+    with pytest.raises(RuntimeError, match="no direct writes"):
+        table.dests(0)
+    inplace = SlotTable(0, 8, 4, TENSORS, install="inplace")
+    assert calls, "the spy sees the host views an inplace table takes"
+    with pytest.raises(RuntimeError, match="install_arrays on an inplace-mode table"):
+        inplace.install_arrays(0, [mx.zeros(4)])
+
+
+def test_full_table_filled_by_copy_is_bit_identical(reference):
+    """S = E in copy mode (the GPU's S = E path) fills every slot through MLX arrays."""
+    ref = reference("olmoe-tiny")
+    _, logits, counters = run_engine("olmoe-tiny", ref, slots=64, install="copy")
+    assert counters["misses"] == 0
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+def test_gpu_provenance_from_nvidia_smi(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in --query-gpu*) echo "NVIDIA H200, 580.159.04, 143771 MiB";; '
+        '*) echo "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |";; esac\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert provenance.nvidia() == dict(gpu="NVIDIA H200", driver="580.159.04", gpu_memory="143771 MiB", cuda="13.0")
+
+
+def test_commit_sent_with_a_copied_tree_wins(monkeypatch):
+    monkeypatch.setenv("TITAN_COMMIT", "b1c4041b313673fb587edb384f8b55888d2cc96b")
+    monkeypatch.setenv("TITAN_DIRTY", "0")
+    assert provenance.git_state() == {"commit": "b1c4041b313673fb587edb384f8b55888d2cc96b", "dirty": False}
+    monkeypatch.delenv("TITAN_COMMIT")
+    state = provenance.git_state()  # this checkout's own
+    assert len(state["commit"]) == 40 and isinstance(state["dirty"], bool)
+
+
+def test_install_bench_diagnoses_on_any_device(capsys):
+    from engine import bench
+
+    args = type("A", (), dict(model="olmoe-tiny", repeats=1))()
+    out = bench.install(args)
+    assert out["device"] == "cpu"
+    for k in ("array", "first_device_read", "write_after_read", "write_resident", "fresh_write",
+              "batched8_array", "batched8_write"):
+        assert out["diagnosis_ms"][k] > 0
+    json.dumps(out)
