@@ -37,6 +37,11 @@ rule gate_c:
         [f for f in raw_outputs("results") if "/raw/C/" in f],
 
 
+rule ablations:
+    input:
+        [f for f in raw_outputs("results") if "_ablation/" in f],
+
+
 rule gate_f:
     input:
         [f for f in raw_outputs("results") if "/raw/F/" in f],

@@ -14,6 +14,8 @@ def _add_engine_args(p):
     p.add_argument("--install", choices=["auto", "inplace", "copy"], default="auto",
                    help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write; "
                         "auto: inplace on the CPU, copy on a GPU")
+    p.add_argument("--sync", choices=["batched", "per_miss"], default="batched",
+                   help="per_miss: read misses one at a time and evaluate the slot table after each (ablation)")
     p.add_argument("--readers", type=int, default=4, help="reader threads of the expert store")
     p.add_argument("--eviction", choices=["lru", "lfu", "lru-predicted"], default="lru",
                    help="eviction policy of the slot tables")
@@ -30,7 +32,7 @@ def _add_engine_args(p):
 def _engine_config(a):
     from .runtime import EngineConfig
 
-    return EngineConfig(slots=a.slots, tier=a.tier, install=a.install, readers=a.readers, eviction=a.eviction,
+    return EngineConfig(slots=a.slots, tier=a.tier, install=a.install, sync=a.sync, readers=a.readers, eviction=a.eviction,
                         verify=a.verify, predictor=a.predictor, depth=a.depth, predict_size=a.predict_size,
                         fit_set=a.fit_set)
 
@@ -164,6 +166,21 @@ def cmd_bench(a):
     bench.main(a)
 
 
+def cmd_version(a):
+    from . import provenance
+
+    env = provenance.environment()
+    print(json.dumps(dict(versions=env["versions"], device=env["device"], gpu=env.get("gpu"),
+                          python=env["python"], os=env["os"]), sort_keys=True))
+
+
+def cmd_probe(a):
+    from . import inventory
+
+    path = inventory.write_probe(a.out)
+    print(path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -214,6 +231,13 @@ def main(argv=None):
     p = sub.add_parser("train", help="train a model with a training block (e.g. olmoe-trained) and log its loss curve")
     p.add_argument("model", nargs="?", default="olmoe-trained")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("version", help="this node's mlx, mlx-lm and engine versions and device, as JSON")
+    p.set_defaults(fn=cmd_version)
+
+    p = sub.add_parser("probe", help="write this machine's full environment probe (kept out of version control)")
+    p.add_argument("--out", default=None, help="file to write (default: resources/probes/<host alias>.json)")
+    p.set_defaults(fn=cmd_probe)
 
     p = sub.add_parser("bench", help="engine-core benchmarks: throughput, per-miss cost, install cost")
     from . import bench

@@ -83,6 +83,11 @@ def main(argv=None):
     spec = dict(layers=cfg["num_hidden_layers"], experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
                 hidden=cfg["hidden_size"], dtype=cfg.get("torch_dtype", "float16"))
     num_layers = spec["layers"]
+    try:
+        reports = multinode.check_versions(group, dog, a.model)
+    except multinode.NodeError as e:
+        print(f"error: node {rank}: {e}", file=sys.stderr, flush=True)
+        return 4
     where, meta = placement_for(a, num_layers, spec["experts"], world)
     model_dt = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}[spec["dtype"]]
     wire = model_dt if a.wire == "model" else multinode.DTYPES[a.wire]

@@ -95,3 +95,29 @@ def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share
             out.append(dict(model=model_id, kind="bare_exchange", nodes=n, rtt_ms_median=bare["rtt_ms_median"],
                             bytes_per_exchange=bare["bytes_per_exchange"]))
     return out
+
+
+def wire_ablation(model_id, nodes, tokens, wires, timeout=600):
+    """Max |logit difference| against one node with activations and results sent in each wire
+    dtype (`model`: the model's own), round-robin placement so most experts are remote."""
+    from . import multinode
+    from .runtime import decode, load_reference
+
+    ref, tok, spec = load_reference(model_id)
+    prompt = "The Python language reference describes the syntax and core semantics of the language."
+    ids = tok.encode(prompt)
+    ref_tokens, _, ref_logits = decode(ref, ids, tokens, keep_logits=True)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        np.save(tmp / "forced.npy", np.array(ref_tokens))
+        for wire in wires:
+            args = ["--model", model_id, "--prompt", prompt, "--tokens", tokens, "--placement", "round_robin",
+                    "--forced", tmp / "forced.npy", "--timeout", 120, "--wire", wire]
+            figures, z = multinode.launch(nodes, args, tmp / f"{wire}.npz", timeout=timeout)
+            logits = [z[f"logits_{i}"] for i in range(len(ref_logits))]
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(ref_logits, logits))
+            out.append(dict(model=model_id, dtype=spec["dtype"], nodes=nodes, wire=wire, wire_dtype=figures["wire"],
+                            tokens=tokens, max_abs_logit_diff=diff, remote_share=figures["remote_share"],
+                            bytes_per_token=figures["bytes_per_token"]))
+    return out

@@ -52,6 +52,12 @@ def _to_mx(view: np.ndarray, dtype: str):
     return a.view(mx_dtype(dtype)) if dtype == "bfloat16" else a
 
 
+# `batched`: a layer's misses are read together and installed lazily (Algorithm 1);
+# `per_miss`: the paper's first version, kept for its ablation: one read at a time, and the
+# slot table evaluated after every miss.
+SYNC_MODES = ("batched", "per_miss")
+
+
 class ExpertCache:
     """The engine-wide half of Algorithm 1: makes a layer's experts resident.
 
@@ -59,7 +65,10 @@ class ExpertCache:
     token's hits, misses, bytes and stall in `stats`.
     """
 
-    def __init__(self, store, tables, prefetcher):
+    def __init__(self, store, tables, prefetcher, sync="batched"):
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
+        self.sync = sync
         self.store = store
         self.tables = tables
         self.prefetcher = prefetcher
@@ -111,6 +120,10 @@ class ExpertCache:
             self.read_misses(layer, misses, protected=set(experts.tolist()))
 
     def read_misses(self, layer: int, misses, protected):
+        if self.sync == "per_miss":
+            for e in misses:
+                self._read_one_and_sync(layer, e, protected)
+            return
         table, st, store = self.tables[layer], self.stats, self.store
         t0 = time.perf_counter()
         slots = [table.claim(e, protected) for e in misses]
@@ -139,6 +152,36 @@ class ExpertCache:
         st.bytes_read += n * store.expert_bytes
         st.stall_s += t2 - t1
         st.pread_s += sum(seconds)
+        st.array_s += t3 - t2
+        st.install_s += (t1 - t0) + (t4 - t3)
+
+
+    def _read_one_and_sync(self, layer: int, expert: int, protected):
+        table, st, store = self.tables[layer], self.stats, self.store
+        t0 = time.perf_counter()
+        slot = table.claim(expert, protected)
+        t1 = time.perf_counter()
+        try:
+            if table.install_mode == "inplace":
+                seconds = store.submit(layer, expert, table.dests(slot)).result()
+                t2 = t3 = time.perf_counter()
+            else:
+                views, (seconds,) = store.read_batch(layer, [expert])
+                t2 = time.perf_counter()
+                arrays = [_to_mx(v, t.dtype) for v, t in zip(views[expert], table.tensors)]
+                t3 = time.perf_counter()
+                table.install_arrays(slot, arrays)
+            mx.eval(table.buffers)
+        except BaseException:
+            table.release(expert)
+            raise
+        t4 = time.perf_counter()
+        table.misses += 1
+        table.bytes_read += store.expert_bytes
+        st.misses += 1
+        st.bytes_read += store.expert_bytes
+        st.stall_s += t2 - t1
+        st.pread_s += seconds
         st.array_s += t3 - t2
         st.install_s += (t1 - t0) + (t4 - t3)
 

@@ -13,6 +13,7 @@ whose shape and dtype the header and the model give. A node that dies or never j
 run fail within `timeout` seconds, naming the node.
 """
 
+import json
 import os
 import sys
 import threading
@@ -68,6 +69,52 @@ def init(timeout: float, backend: str = "ring"):
     group = mx.distributed.init(strict=True, backend=backend)
     dog.disarm()
     return group, dog
+
+
+REPORT_BYTES = 2048
+
+
+def node_report(model_id: str) -> dict:
+    """What must agree on every node: library and engine versions and the model's identity."""
+    from . import provenance, registry
+
+    versions = provenance.environment()["versions"]
+    report = {k: versions.get(k) for k in ("mlx", "mlx-lm", "titan-engine")}
+    spec = registry.get_spec(model_id)
+    report["model"] = model_id
+    report["revision"] = spec.get("revision")
+    try:
+        manifest = registry.model_dir(model_id) / "titan-build.json"
+        report["model_files"] = json.loads(manifest.read_text()).get("spec_digest") if manifest.exists() else None
+    except registry.RegistryError:
+        report["model_files"] = None
+    # Only for the refusal's own test: report another version on one rank.
+    if os.environ.get("TITAN_SKEW_RANK") == os.environ.get("MLX_RANK") and os.environ.get("TITAN_SKEW"):
+        report.update(json.loads(os.environ["TITAN_SKEW"]))
+    return report
+
+
+def check_versions(group, dog: Watchdog, model_id: str) -> list:
+    """Every node's report, gathered on every node before anything is decoded; a node that
+    differs from node 0 stops the run on every node, naming the node and the versions."""
+    blob = json.dumps(node_report(model_id), sort_keys=True).encode()
+    if len(blob) > REPORT_BYTES:
+        raise NodeError(f"node report of {len(blob)} bytes exceeds {REPORT_BYTES}")
+    buf = np.zeros(REPORT_BYTES, np.uint8)
+    buf[: len(blob)] = np.frombuffer(blob, np.uint8)
+    dog.arm("the version check (all nodes report their mlx, mlx-lm, engine and model versions)")
+    gathered = mx.distributed.all_gather(mx.array(buf), group=group)
+    mx.eval(gathered)
+    dog.disarm()
+    rows = np.array(gathered).reshape(group.size(), REPORT_BYTES)
+    reports = [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]  # JSON, never pickle
+    for n, rep in enumerate(reports[1:], start=1):
+        diff = {k: (reports[0].get(k), rep.get(k)) for k in sorted(set(reports[0]) | set(rep))
+                if reports[0].get(k) != rep.get(k)}
+        if diff:
+            what = ", ".join(f"{k} {a} on node 0 but {b} on node {n}" for k, (a, b) in diff.items())
+            raise NodeError(f"version skew: node {n} differs from node 0: {what}; refusing to decode")
+    return reports
 
 
 class Link:

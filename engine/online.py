@@ -103,3 +103,31 @@ def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32,
                                 predictor=name, depth=d, precision=q["precision"], recall=q["recall"],
                                 predictions=q["n"], **r))
     return out
+
+
+def sync_ablation(model_id, tier, prompt_set, slots, n_prompts, tokens, installs=("copy",), readers=4):
+    """The paper's per-miss synchronisation (one read at a time, the slot table evaluated after
+    every miss) against the batched path, demand loading at `slots`, interleaved per prompt."""
+    ref, tok, spec = load_reference(model_id)
+    rows = prompts.load(prompt_set, "eval")[:n_prompts]
+    inputs = [tok.encode(p["text"]) for p in rows]
+    variants = [(i, s) for i in installs for s in ("per_miss", "batched")]
+    engines = {v: Engine.load(model_id, EngineConfig(slots=slots, tier=tier, readers=readers, install=v[0], sync=v[1]))
+               for v in variants}
+    acc = {v: dict(tokens=0, seconds=0.0, **{k: 0 for k in FIELDS}) for v in variants}
+    try:
+        for eng in engines.values():
+            decode(eng.model, inputs[0], 2)  # warm-up
+        for ids in inputs:
+            for v, eng in engines.items():
+                _, recs, _ = decode(eng.model, ids, tokens)
+                for r in recs[1:]:
+                    acc[v]["tokens"] += 1
+                    acc[v]["seconds"] += r["seconds"]
+                    for k in FIELDS:
+                        acc[v][k] += r[k]
+    finally:
+        for eng in engines.values():
+            eng.close()
+    return [dict(model=model_id, tier=tier, prompt_set=prompt_set, slots=slots, experts=spec["experts"],
+                 install=i, sync=s, prompts=len(rows), **summarize(acc[(i, s)])) for i, s in variants]

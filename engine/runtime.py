@@ -22,6 +22,7 @@ class EngineConfig:
     slots: int | None = None  # None: every expert resident (S = E)
     tier: str = "page_cache"
     install: str = "auto"  # inplace on the CPU, copy on a GPU (engine.device says why)
+    sync: str = "batched"  # or per_miss: the paper's first version, for its ablation
     readers: int = 4
     eviction: str = "lru"
     verify: str = "first"
@@ -72,7 +73,7 @@ class Engine:
             SlotTable(o, num_experts, slots, self.store.tensors, config.eviction, install)
             for o in range(len(blocks))
         ]
-        self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch())
+        self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch(), config.sync)
         for o, (li, glu) in enumerate(blocks):
             model.layers[li].mlp.switch_mlp = SlotSwitchGLU(glu, self.tables[o], self.cache, o)
             if self.tables[o].full:

@@ -68,3 +68,25 @@ def test_a_node_that_dies_mid_run_fails_the_run_by_name(tmp_path):
                          tmp_path / "run.npz", timeout=240)
     assert time.monotonic() - t0 < 180
     assert not (tmp_path / "run.npz").exists()  # a failed run leaves no result behind
+
+
+@pytest.mark.timeout(300)
+def test_version_skew_is_refused_before_decoding(tmp_path, monkeypatch):
+    """A node reporting another mlx version (or model revision) stops the run on every node,
+    naming the node and both versions, before anything is decoded."""
+    monkeypatch.setenv("TITAN_SKEW_RANK", "1")
+    monkeypatch.setenv("TITAN_SKEW", '{"mlx": "0.0.0-skewed", "revision": "0123456789abcdef0123456789abcdef01234567"}')
+    out = tmp_path / "run.npz"
+    with pytest.raises(multinode.NodeError) as err:
+        multinode.launch(2, ["--model", "qwen3moe-tiny", "--prompt", PROMPT, "--tokens", "2", "--timeout", "60"], out,
+                         timeout=240)
+    msg = str(err.value)
+    assert "version skew: node 1 differs from node 0" in msg
+    assert "0.0.0-skewed on node 1" in msg and "revision" in msg
+    assert not out.exists()
+
+
+def test_node_report_names_versions_and_model():
+    rep = multinode.node_report("qwen3moe-tiny")
+    assert set(rep) >= {"mlx", "mlx-lm", "titan-engine", "model", "revision", "model_files"}
+    assert rep["mlx"] and rep["titan-engine"]

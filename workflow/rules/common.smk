@@ -15,10 +15,10 @@ PYTHON = sys.executable
 # Every benchmark output of this invocation carries this run id: a rerun adds new raw files.
 RUN = rawlog.new_run_id()
 # `snakemake figures` regenerates tables and figures from the raw logs already there.
-FIGURES_ONLY = "figures" in sys.argv[1:]
+FIGURES_ONLY = bool({"figures", "environment"} & set(sys.argv[1:]))
 
 TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss",
-          "placement_sim", "multinode"]
+          "placement_sim", "multinode", "sync_ablation", "wire_ablation", "bench", "claims"]
 FIGURES = ["design", "throughput_vs_slots", "stall_vs_slots", "miss_breakdown", "predictor_recall",
            "routing", "train_loss", "placement"]
 FITTED = ["popularity", "transition", "probe"]
@@ -53,7 +53,8 @@ def check_models():
     """Refuse unknown models and absent real weights before any job runs."""
     for section in (config, config["smoke"]):
         for m in (section["prefetch_online"]["models"] + section["design"]["parity_models"]
-                  + section["routing"]["models"] + section["placement"]["models"]):
+                  + section["routing"]["models"] + section["placement"]["models"]
+                  + section["ablations"]["sync"]["models"] + section["ablations"]["wire"]["models"]):
             s = spec(m)
             if s["kind"] == "real":
                 try:
@@ -90,6 +91,10 @@ def raw_outputs(out):
     files += expand(f"{out}/raw/F/placement_sim/{RUN}-{{model}}.jsonl", model=s["placement"]["models"])
     if s["placement"]["measured_nodes"]:
         files += expand(f"{out}/raw/F/multinode/{RUN}-{{model}}.jsonl", model=s["placement"]["models"])
+    ab = s["ablations"]
+    files += expand(f"{out}/raw/C/sync_ablation/{RUN}-{{model}}-{{pset}}.jsonl",
+                    model=ab["sync"]["models"], pset=ab["sync"]["prompt_sets"])
+    files += expand(f"{out}/raw/F/wire_ablation/{RUN}-{{model}}.jsonl", model=ab["wire"]["models"])
     return files
 
 

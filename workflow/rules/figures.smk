@@ -28,5 +28,20 @@ rule figures:
     params:
         raw="results/raw",
         figdir="figures",
+        readme="README.md",
     script:
         "../scripts/regenerate.py"
+
+
+rule environment:
+    # This machine's raw probe (resources/probes/, never committed) and the sanitised inventory
+    # artifacts/environment.json, in which every raw record's host alias resolves.
+    log:
+        "results/logs/environment.log",
+    conda:
+        "../envs/titan.yaml"
+    params:
+        raw="results/raw",
+        inventory="artifacts/environment.json",
+    script:
+        "../scripts/environment.py"

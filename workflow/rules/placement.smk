@@ -33,3 +33,20 @@ rule multinode:
         fit_tokens=lambda wc: settings(wc.out)["prefetch_online"]["fit_tokens"],
     script:
         "../scripts/gate_f.py"
+
+
+rule wire_ablation:
+    input:
+        lambda wc: model_input(wc.model),
+    output:
+        protected(f"{{out}}/raw/F/wire_ablation/{RUN}-{{model}}.jsonl"),
+    log:
+        f"{{out}}/logs/wire_ablation-{RUN}-{{model}}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["ablations"]["wire"],
+    script:
+        "../scripts/ablation.py"

@@ -52,3 +52,20 @@ rule routing:
         settings=lambda wc: settings(wc.out)["prefetch_online"],
     script:
         "../scripts/routing.py"
+
+
+rule sync_ablation:
+    input:
+        lambda wc: model_input(wc.model),
+    output:
+        protected(f"{{out}}/raw/C/sync_ablation/{RUN}-{{model}}-{{pset}}.jsonl"),
+    log:
+        f"{{out}}/logs/sync_ablation-{RUN}-{{model}}-{{pset}}.log",
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        settings=lambda wc: settings(wc.out)["ablations"]["sync"],
+    script:
+        "../scripts/ablation.py"

@@ -3,6 +3,7 @@ rule tables:
         lambda wc: raw_outputs(out_of(wc.figdir)),
     output:
         expand("{{figdir}}/tables/{t}.{ext}", t=TABLES, ext=["csv", "md"]),
+        "{figdir}/claims.md",
     log:
         "results/logs/tables/{figdir}.log",
     conda:

@@ -1,6 +1,7 @@
 """`snakemake figures`: tables and figures from the raw logs already there; no benchmark."""
 
 import sys
+from pathlib import Path
 
 sys.path.insert(0, snakemake.scriptdir)
 from _common import logged  # noqa: E402
@@ -9,5 +10,7 @@ import aggregate  # noqa: E402
 import plotting  # noqa: E402
 
 with logged(snakemake):
-    aggregate.build(snakemake.params.raw, snakemake.params.figdir)
-    plotting.build(snakemake.params.figdir)
+    figdir = Path(snakemake.params.figdir)
+    aggregate.build(snakemake.params.raw, figdir)
+    plotting.build(figdir)
+    aggregate.embed_claims(figdir / "claims.md", snakemake.params.readme)
