@@ -56,6 +56,9 @@ def main(argv=None):
                     help="experts per node (the placement's unit size is one expert)")
     ap.add_argument("--node-link", type=float, nargs="*", default=[0.0, 0.5, 0.5, 0.5])
     ap.add_argument("--hot", type=int, default=0)
+    ap.add_argument("--adaptive-every", type=int, default=0,
+                    help="adaptive scheduler: re-place and move experts every N decode tokens (0: static)")
+    ap.add_argument("--decay", type=float, default=0.9, help="adaptive scheduler: popularity moving-average decay")
     ap.add_argument("--wire", choices=["model", "float16", "bfloat16", "float32"], default="model",
                     help="dtype of activations and results on the wire (default: the model's)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a silent node fails the run")
@@ -110,9 +113,20 @@ def main(argv=None):
     eng = Engine.load(a.model, EngineConfig(slots=a.slots))
     links = {n: multinode.Link(group, n, dog, wire) for n in range(1, world)}
     stats = {"rtt_s": []}
+    layers = []
     for o, (li, sw) in enumerate(moe_layers(eng.model)):
-        eng.model.layers[li].mlp.switch_mlp = multinode.DistributedSwitchGLU(
-            sw.glu, sw._table, sw._cache, o, where[o], links, stats)
+        layers.append(multinode.DistributedSwitchGLU(sw.glu, sw._table, sw._cache, o, where[o], links, stats))
+        eng.model.layers[li].mlp.switch_mlp = layers[-1]
+    scheduler = None
+    if a.adaptive_every:
+        from engine import placement as pl
+
+        nodes = [pl.Node(cost=c, capacity=m, link=r) for c, m, r in
+                 zip(a.node_cost[:world], a.node_capacity[:world], a.node_link[:world])]
+        pi = np.load(a.popularity) if a.popularity else np.ones(where.shape) / where.shape[1]
+        scheduler = multinode.AdaptiveScheduler(pi, nodes, links, layers, stats, every=a.adaptive_every,
+                                                decay=a.decay, hot=a.hot)
+        stats["scheduler"] = scheduler
     ids = eng.tokenizer.encode(a.prompt)
     forced = np.load(a.forced) if a.forced else None
     t0 = time.perf_counter()
@@ -128,6 +142,10 @@ def main(argv=None):
         rtt_ms_median=1e3 * float(np.median(stats["rtt_s"])) if stats["rtt_s"] else None,
         remote_share=float((where != 0).mean()), wire=str(wire), **meta,
     )
+    if scheduler is not None:
+        figures.update(adaptive_every=a.adaptive_every, moves=scheduler.moves, replacements=scheduler.replacements,
+                       schedule=scheduler.history,
+                       final_remote_share=float(np.mean([(l._where != 0).mean() for l in layers])))
     _write(a.out, figures, tokens=np.array(tokens), prompt=np.array(ids),
            **{f"logits_{i}": l for i, l in enumerate(logits)})
     print(json.dumps(figures), flush=True)

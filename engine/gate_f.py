@@ -74,22 +74,28 @@ def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share
             for strategy in strategies:
                 # node 0 holds its share in its slot table; the rest of its experts are read on demand
                 slots = max(spec_top_k(ref), min(E, int(capacity_share * E)))
-                args = ["--model", model_id, "--prompt", prompt, "--tokens", tokens, "--placement", strategy,
+                # adaptive: Algorithm 2 at the start, then live re-placement and moves during decode
+                args = ["--model", model_id, "--prompt", prompt, "--tokens", tokens,
+                        "--placement", "algorithm2" if strategy == "adaptive" else strategy,
                         "--slots", slots,
                         "--popularity", tmp / "pi.npy", "--forced", tmp / "forced.npy", "--timeout", 120,
                         "--node-cost", *[x.cost for x in nodes], "--node-capacity", *[x.capacity for x in nodes],
                         "--node-link", *[x.link for x in nodes]]
+                if strategy == "adaptive":
+                    args += ["--adaptive-every", max(1, tokens // 4)]
                 t0 = time.perf_counter()
                 figures, z = multinode.launch(n, args, tmp / f"{n}-{strategy}.npz", timeout=timeout)
                 wall = time.perf_counter() - t0
                 logits = [z[f"logits_{i}"] for i in range(len(ref_logits))]
                 diff = max(float(np.abs(a - b).max()) for a, b in zip(ref_logits, logits))
-                p = pl.STRATEGIES[strategy](pi, nodes, 1.0, 0)
+                p = pl.STRATEGIES["algorithm2" if strategy == "adaptive" else strategy](pi, nodes, 1.0, 0)
+                extra = {k: figures[k] for k in ("moves", "replacements", "final_remote_share") if k in figures}
                 out.append(dict(model=model_id, kind="measured", nodes=n, strategy=strategy, link=link, slots=slots,
                                 capacity_share=capacity_share, ssd=ssd,
                                 expected=pl.expected_cost(p, pi, nodes, ssd),
                                 ms_per_token=1e3 / figures["tok_s"], max_abs_logit_diff=diff, launch_seconds=wall,
-                                **{k: figures[k] for k in ("bytes_per_token", "rtt_ms_median", "remote_share", "wire")}))
+                                **{k: figures[k] for k in ("bytes_per_token", "rtt_ms_median", "remote_share", "wire")},
+                                **extra))
             bare = multinode.launch(n, ["--model", model_id, "--bare", "--tokens", tokens, "--timeout", 120],
                                     tmp / f"{n}-bare.npz", timeout=timeout)[0]
             out.append(dict(model=model_id, kind="bare_exchange", nodes=n, rtt_ms_median=bare["rtt_ms_median"],

@@ -24,7 +24,7 @@ import numpy as np
 
 from .moe import SlotSwitchGLU
 
-STOP, COMPUTE = 0, 1
+STOP, COMPUTE, PLACE = 0, 1, 2
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -153,15 +153,21 @@ class DistributedSwitchGLU(SlotSwitchGLU):
 
     def __init__(self, glu, table, cache, layer, executes_on: np.ndarray, links: dict, stats: dict):
         super().__init__(glu, table, cache, layer)
-        # (E,) node executing each expert of this layer; the SSD tier (-1) is node 0's table
-        self._where = np.maximum(executes_on, 0)
         self._links = links
         self._stats = stats
+        self.set_placement(executes_on)
+
+    def set_placement(self, executes_on: np.ndarray):
+        # (E,) node executing each expert of this layer; the SSD tier (-1) is node 0's table
+        self._where = np.maximum(executes_on, 0)
         local = np.flatnonzero(self._where == 0)
         self._filler = int(local[0]) if len(local) else None
 
     def __call__(self, x, indices):
         idx = np.array(indices)
+        scheduler = self._stats.get("scheduler")
+        if scheduler is not None:
+            scheduler.observe(self._layer, idx, x.shape[-2] if x.ndim > 1 else 1)
         where = self._where[idx]
         if not (where != 0).any():
             return super().__call__(x, mx.array(idx.astype(np.uint32)))
@@ -196,6 +202,7 @@ class DistributedSwitchGLU(SlotSwitchGLU):
         parts = []
         for link, rows, cols, kmax in pending:
             got = link.recv((len(rows), kmax, d), link.wire).astype(x.dtype)
+            self._stats.setdefault("node_rtt_s", {}).setdefault(link.peer, []).append(time.perf_counter() - t0)
             base = sum(p.shape[0] * p.shape[1] for p in parts)
             parts.append(got)
             for i, (r, c) in enumerate(zip(rows, cols)):
@@ -223,19 +230,24 @@ def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, ti
     blocks = store_mod.moe_layers(model)
     st = open_store(model_id, model, path, tier=tier)
     glus, maps = [], []
-    for o, (li, glu) in enumerate(blocks):
-        mine = np.flatnonzero(executes_on[o] == rank)
-        S = max(1, len(mine))
-        table = SlotTable(o, st.num_experts(o), S, st.tensors)
+
+    def hold(o, glu, row):
+        """Load the experts `row` gives this node into a fresh slot table of layer o (a move
+        reads the expert from this node's own store; weights never cross the wire)."""
+        mine = np.flatnonzero(row == rank)
+        table = SlotTable(o, st.num_experts(o), max(1, len(mine)), st.tensors)
         cache = ExpertCache(st, [table] * (o + 1), NoPrefetch())
         for e in mine:
             slot = table.claim(int(e))
             st.read_into(o, int(e), table.dests(slot))
-        sw = SlotSwitchGLU(glu, table, cache, o)
-        glus.append(sw.glu)
+        SlotSwitchGLU(glu, table, cache, o)  # points mlx-lm's SwitchGLU at the new buffers
         slot_of = np.zeros(st.num_experts(o), np.int64)
         slot_of[mine] = table.slot_of[mine]
-        maps.append(slot_of)
+        return slot_of, len(mine)
+
+    for o, (li, glu) in enumerate(blocks):
+        glus.append(glu)
+        maps.append(hold(o, glu, executes_on[o])[0])
     link = Link(group, 0, dog, wire)
     while True:
         dog.disarm()  # node 0 may think for as long as it likes between layers...
@@ -244,6 +256,13 @@ def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, ti
         cmd, layer, rows, kmax = (int(v) for v in np.array(header))
         if cmd == STOP:
             break
+        if cmd == PLACE:  # a new placement row for one layer: `rows` experts
+            row = np.array(link.recv((rows,), mx.int32))
+            maps[layer], held = hold(layer, glus[layer], row)
+            link.send(mx.array([held], dtype=mx.int32))
+            continue
+        if cmd != COMPUTE:
+            raise NodeError(f"node {rank}: unknown command {cmd} from node 0")
         idx = link.recv((rows, kmax), mx.int32)
         x = link.recv((rows, spec_hidden(model)), wire)
         local = np.array(idx)
@@ -251,6 +270,67 @@ def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, ti
         y = glus[layer](x.astype(model_dtype(model)), mx.array(slots.astype(np.uint32)))
         link.send(y.astype(wire))
     st.close()
+
+
+class AdaptiveScheduler:
+    """The paper's next step, live: during a multi-node decode, every `every` tokens re-estimate
+    expert popularity (an exponential moving average of the routes node 0 saw) and each remote
+    node's link cost (its configured cost scaled by its measured round trip against the mean of
+    all nodes'), re-run Algorithm 2, and move the experts whose node changed: node 0 sends each
+    remote node the layer's new placement row and waits until it has loaded its experts."""
+
+    def __init__(self, pi, nodes, links, layers, stats, every=8, decay=0.9, hot=0):
+        from . import placement as pl
+
+        self.pl, self.est, self.nodes = pl, pi.copy(), list(nodes)
+        self.links, self.layers, self.stats = links, layers, stats
+        self.every, self.decay, self.hot = every, decay, hot
+        self.counts = np.zeros_like(pi)
+        self.tokens = self.moves = self.replacements = 0
+        self.history = []
+
+    def observe(self, layer: int, idx: np.ndarray, rows: int):
+        if rows != 1:  # the prefill is not the decode distribution
+            return
+        self.counts[layer] += np.bincount(idx.reshape(-1), minlength=self.counts.shape[1])
+        if layer == len(self.layers) - 1:
+            self.tokens += 1
+            if self.tokens % self.every == 0:
+                self.replace()
+
+    def link_costs(self):
+        rtts = {n: float(np.median(v)) for n, v in self.stats.get("node_rtt_s", {}).items() if v}
+        if not rtts:
+            return self.nodes
+        mean = float(np.mean(list(rtts.values())))
+        return [self.pl.Node(cost=nd.cost, capacity=nd.capacity,
+                             link=nd.link * (rtts[i] / mean if i in rtts and mean > 0 else 1.0))
+                for i, nd in enumerate(self.nodes)]
+
+    def replace(self):
+        seen = self.counts / np.maximum(self.counts.sum(1, keepdims=True), 1)
+        self.est = self.decay * self.est + (1 - self.decay) * seen
+        self.counts[:] = 0
+        nodes = self.link_costs()
+        new = self.pl.algorithm2(self.est, nodes, 1.0, self.hot).executes_on()
+        moved = 0
+        for o, glu in enumerate(self.layers):
+            old = glu._where
+            row = np.maximum(new[o], 0)
+            changed = int((row != old).sum())
+            if not changed:
+                continue
+            header = mx.array([PLACE, o, len(row), 0], dtype=mx.int32)
+            for link in self.links.values():
+                link.send(header, mx.array(new[o].astype(np.int32)))
+            for link in self.links.values():
+                link.recv((1,), mx.int32)  # the node holds its new experts
+            glu.set_placement(new[o])
+            moved += changed
+        self.moves += moved
+        self.replacements += 1
+        self.history.append(dict(token=self.tokens, moved=moved,
+                                 links=[round(float(n.link), 4) for n in nodes]))
 
 
 def launch(nodes: int, args, out, timeout: float = 600, backend: str = "ring", hostfile=None):

@@ -90,3 +90,22 @@ def test_node_report_names_versions_and_model():
     rep = multinode.node_report("qwen3moe-tiny")
     assert set(rep) >= {"mlx", "mlx-lm", "titan-engine", "model", "revision", "model_files"}
     assert rep["mlx"] and rep["titan-engine"]
+
+
+@pytest.mark.timeout(400)
+def test_adaptive_scheduler_moves_experts_between_live_nodes_exactly(reference, tmp_path):
+    """Every 2 decode tokens node 0 re-estimates popularity and link costs, re-runs Algorithm 2
+    and moves experts between the running processes; the logits stay bit-identical."""
+    ref = reference("qwen3moe-tiny", steps=8)
+    forced = tmp_path / "forced.npy"
+    np.save(forced, np.array(ref["tokens"]))
+    figures, z = multinode.launch(3, ["--model", "qwen3moe-tiny", "--prompt", PROMPT, "--tokens", "8",
+                                      "--forced", forced, "--placement", "algorithm2",
+                                      "--node-capacity", "150", "150", "150", "--node-link", "0", "0.5", "0.5",
+                                      "--adaptive-every", "2", "--timeout", "120"], tmp_path / "run.npz", timeout=360)
+    logits = [z[f"logits_{i}"] for i in range(len(ref["logits"]))]
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    assert figures["replacements"] == 4 and figures["moves"] > 0
+    links = [h["links"] for h in figures["schedule"]]
+    assert all(len(l) == 3 and l[0] == 0.0 for l in links)
+    assert any(l[1] != 0.5 or l[2] != 0.5 for l in links)  # node costs re-estimated from measured round trips
