@@ -170,7 +170,8 @@ def cmd_version(a):
     from . import provenance
 
     env = provenance.environment()
-    print(json.dumps(dict(versions=env["versions"], device=env["device"], gpu=env.get("gpu"),
+    versions = dict(env["versions"], **{"engine-code": provenance.code_digest()})
+    print(json.dumps(dict(versions=versions, device=env["device"], gpu=env.get("gpu"),
                           python=env["python"], os=env["os"]), sort_keys=True))
 
 

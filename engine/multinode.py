@@ -80,6 +80,7 @@ def node_report(model_id: str) -> dict:
 
     versions = provenance.environment()["versions"]
     report = {k: versions.get(k) for k in ("mlx", "mlx-lm", "titan-engine")}
+    report["engine-code"] = provenance.code_digest()
     spec = registry.get_spec(model_id)
     report["model"] = model_id
     report["revision"] = spec.get("revision")

@@ -81,6 +81,15 @@ def _version(pkg):
         return None
 
 
+def code_digest(root=REPO_ROOT) -> str:
+    """A digest of the engine's source files: two nodes with the same version number but
+    different code differ here."""
+    h = hashlib.sha256()
+    for f in sorted((root / "engine").glob("*.py")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def nvidia() -> dict:
     """GPU name, driver and CUDA version as `nvidia-smi` reports them (no serials or UUIDs)."""
     try:

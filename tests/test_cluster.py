@@ -40,12 +40,12 @@ def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
     assert versions[0]["versions"]["mlx"] == "0.32.4" and versions[0]["device"] in ("cpu", "gpu")
     assert "all hosts agree" in r.stdout
 
-    # A node whose engine differs is refused by name.
-    init = tmp_path / "nodes" / "localhost" / "engine" / "__init__.py"
-    init.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.9-'))
+    # A node whose engine code differs (same version number) is refused by name.
+    runtime = tmp_path / "nodes" / "localhost" / "engine" / "runtime.py"
+    runtime.write_text(runtime.read_text() + "\n# edited on this node only\n")
     r = setup(hostfile, "--dest", str(dest), "--check-only")
     assert r.returncode != 0
-    assert "host localhost differs from 127.0.0.1" in r.stderr and "9.9.9-" in r.stderr
+    assert "host localhost differs from 127.0.0.1" in r.stderr and "engine-code" in r.stderr
 
 
 def test_setup_refuses_a_malformed_hostfile(tmp_path):

@@ -88,7 +88,7 @@ def test_version_skew_is_refused_before_decoding(tmp_path, monkeypatch):
 
 def test_node_report_names_versions_and_model():
     rep = multinode.node_report("qwen3moe-tiny")
-    assert set(rep) >= {"mlx", "mlx-lm", "titan-engine", "model", "revision", "model_files"}
+    assert set(rep) >= {"mlx", "mlx-lm", "titan-engine", "engine-code", "model", "revision", "model_files"}
     assert rep["mlx"] and rep["titan-engine"]
 
 
