@@ -60,7 +60,11 @@ def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share
     E, L = fit.num_experts, fit.num_layers
     pi = pl.popularity_from(fit.experts, E)
     ref, tok, spec = load_reference(model_id)
-    prompt = "The Python language reference describes the syntax and core semantics of the language."
+    # The popularity comes from prose (the general fit traces); decoding code is the shift the
+    # adaptive scheduler is for. Every strategy decodes the same prompt.
+    from . import prompts
+
+    prompt = prompts.load("code", "eval")[0]["text"]
     ids = tok.encode(prompt)
     ref_tokens, _, ref_logits = decode(ref, ids, tokens, keep_logits=True)
     out = []
@@ -82,7 +86,7 @@ def measure(model_id, nodes_list, strategies, tokens, fit_tokens, capacity_share
                         "--node-cost", *[x.cost for x in nodes], "--node-capacity", *[x.capacity for x in nodes],
                         "--node-link", *[x.link for x in nodes]]
                 if strategy == "adaptive":
-                    args += ["--adaptive-every", max(1, tokens // 4)]
+                    args += ["--adaptive-every", max(1, tokens // 4), "--decay", 0.5]
                 t0 = time.perf_counter()
                 figures, z = multinode.launch(n, args, tmp / f"{n}-{strategy}.npz", timeout=timeout)
                 wall = time.perf_counter() - t0

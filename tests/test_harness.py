@@ -129,3 +129,42 @@ def test_dry_run_of_all_plans_every_gate():
     assert r.returncode == 0, r.stderr
     for rule in ("design", "prefetch_online", "predictor_quality", "routing", "tables", "plots"):
         assert f"rule {rule}:" in r.stdout or f"{rule} " in r.stdout
+
+
+def sync_run(root, per_miss, batched, stall_per_miss, stall_batched, pset="general"):
+    rows = [dict(model="m", tier="page_cache", prompt_set=pset, slots=16, experts=64, install="copy", sync=s,
+                 tok_s=t, stall_ms_per_token=st, misses=100, tokens=32)
+            for s, t, st in (("per_miss", per_miss, stall_per_miss), ("batched", batched, stall_batched))]
+    return rawlog.write_run("C", "sync_ablation", rows, config={}, seed=0, started=provenance.utc_now(), root=root,
+                            command="test", model="m", revision=None)
+
+
+def claims_of(raw, figdir):
+    return aggregate.build(raw, figdir)["claims"].set_index("claim")
+
+
+def test_claims_compare_ratios_with_a_stated_tolerance(tmp_path):
+    sync_run(tmp_path / "raw", 28.0, 51.0, 4.0, 2.0)  # the paper's own figures: agree
+    c = claims_of(tmp_path / "raw", tmp_path / "a")
+    row = c.loc["batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"]
+    assert row["ratio"] == pytest.approx(51 / 28) and row["direction"] == "yes" and row["within_tolerance"] == "yes"
+    assert c.loc["stall halved by batching (general; m, copy; batched / per-miss)"]["within_tolerance"] == "yes"
+    text = (tmp_path / "a" / "claims.md").read_text()
+    assert "within a factor of 1.5" in text and "28 -> 51 tok/s" in text
+
+
+def test_claims_say_no_when_the_reproduction_disagrees(tmp_path):
+    sync_run(tmp_path / "raw", 50.0, 40.0, 1.0, 1.2)  # batching made it slower: opposite direction
+    row = claims_of(tmp_path / "raw", tmp_path / "a").loc[
+        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"]
+    assert row["direction"] == "no" and row["within_tolerance"] == "no"
+    sync_run(tmp_path / "raw2", 50.0, 55.0, 1.0, 0.9)  # right direction, far smaller gain
+    row = claims_of(tmp_path / "raw2", tmp_path / "b").loc[
+        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"]
+    assert row["direction"] == "yes" and row["within_tolerance"] == "no"
+
+
+def test_readme_embeds_the_generated_claims_table():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(aggregate.START, 1)[1].split(aggregate.END, 1)[0]
+    assert block.strip() == (ROOT / "figures" / "claims.md").read_text().strip()

@@ -129,7 +129,7 @@ def multinode_table(recs):
     keys = MACHINE + ["model", "kind", "nodes", "strategy"]
     cols = keys + ["expected", "ms_per_token", "expected_rank", "measured_rank", "max_abs_logit_diff",
                    "bytes_per_token", "rtt_ms_median", "bare_rtt_ms_median", "rtt_vs_bare", "remote_share", "wire",
-                   "runs"]
+                   "moves", "replacements", "runs"]
     rows = []
     for r in recs:
         row = dict.fromkeys(["strategy"])
