@@ -214,7 +214,7 @@ def _install_diagnosis(store, views, S, repeats):
     import mlx.core as mx
 
     from .moe import _to_mx
-    from .slots import SlotTable
+    from .slots import SlotTable, mx_dtype
 
     E = store.num_experts(0)
     t = SlotTable(0, E, S, store.tensors, install="copy")
@@ -262,19 +262,13 @@ def _install_diagnosis(store, views, S, repeats):
             for spec in ts:
                 raw = big[off: off + spec.nbytes]
                 off += spec.nbytes
-                arrs.append(raw.view(mx_dtype_of(spec.dtype)).reshape(spec.shape))
+                arrs.append(raw.view(mx_dtype(spec.dtype)).reshape(spec.shape))
             t.install_arrays((x * 7 + i) % S, arrs)
         mx.eval(t.buffers)
         t9 = time.perf_counter()
         parts["batched8_array"].append((t8 - t7) / 8)
         parts["batched8_write"].append((t9 - t8) / 8)
     return {k: 1e3 * _median(v) for k, v in parts.items()}
-
-
-def mx_dtype_of(name):
-    import mlx.core as mx
-
-    return getattr(mx, name)
 
 
 def install(a):

@@ -27,8 +27,3 @@ def resolve_install(mode: str, device_kind: str | None = None) -> str:
     if mode == "auto":
         return default_install(device_kind)
     return mode
-
-
-def synchronize():
-    """Wait for every queued kernel (timings on the GPU must not end at the launch)."""
-    mx.synchronize()

@@ -106,8 +106,12 @@ class ExpertCache:
         table, st = self.tables[layer], self.stats
         # line 12: install finished prefetches; wait for in-flight experts we need (late)
         self.prefetcher.drain(layer, experts, self)
-        # line 13: predict and issue layer l+d's prefetch before this layer's compute
-        self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+        # line 13: predict and issue layer l+d's prefetch before this layer's compute; when l+d
+        # wraps onto this very layer (next token's), only once this layer's misses have slots
+        depth = self.prefetcher.depth
+        onto_itself = depth > 0 and depth % len(self.tables) == 0
+        if not onto_itself:
+            self.prefetcher.predict_and_issue(layer, experts, hidden, self)
         self.history[layer] = experts if last is None else last
         # line 14: read the misses as one batch and install them
         resident = table.slot_of[experts] >= 0
@@ -118,6 +122,8 @@ class ExpertCache:
         table.touch(experts[resident])
         if misses:
             self.read_misses(layer, misses, protected=set(experts.tolist()))
+        if onto_itself:
+            self.prefetcher.predict_and_issue(layer, experts, hidden, self)
 
     def read_misses(self, layer: int, misses, protected):
         if self.sync == "per_miss":

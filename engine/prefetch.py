@@ -110,14 +110,17 @@ class Prefetcher:
 
             h = np.array(hidden.reshape(-1, hidden.shape[-1])[-1].astype(mx.float32))
         ctx = Context(cache.position, layer, target, offset, experts, h, cache.history)
-        self.issue(target, self.predictor.predict(ctx), cache)
+        # A depth that wraps onto this very layer (depth a multiple of the layer count) fills the
+        # table this layer is about to compute from: its experts must keep their slots.
+        busy = experts if target == layer else ()
+        self.issue(target, self.predictor.predict(ctx), cache, busy)
 
-    def issue(self, target, predicted, cache):
+    def issue(self, target, predicted, cache, busy=()):
         table, st, store = cache.tables[target], cache.stats, cache.store
         predicted = [int(e) for e in predicted]
         table.hint(predicted)
         flights = self.inflight.setdefault(target, {})
-        protected = set(flights) | set(predicted)
+        protected = set(flights) | set(predicted) | {int(e) for e in busy}
         for e in predicted:
             if e in flights or table.resident(e):
                 continue
