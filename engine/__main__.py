@@ -103,7 +103,7 @@ def cmd_decode(a):
         print(a.prompt + tok.decode(tokens))
         print("---")
         hr = "n/a (all resident)" if s.get("hit_rate") is None else f"{s['hit_rate']:.3f}"
-        print(f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.tables[0].install_mode if eng.tables else a.install}: "
+        print(f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.tables[0].install_mode}: "
               f"{s['tok_s']:.2f} tok/s over {s['tokens']} tokens, hit rate {hr}, "
               f"{s['bytes_read_per_token'] / 1e6:.2f} MB read/token, stall {1e3 * s['stall_s_per_token']:.2f} ms/token")
         if s.get("misses"):

@@ -114,7 +114,7 @@ def _h2d_copier(nbytes):
 
 
 def miss(a):
-    from . import registry
+    from . import device, registry
     from .moe import ExpertCache
     from .prefetch import NoPrefetch
     from .runtime import open_store
@@ -189,8 +189,6 @@ def miss(a):
     for s in stores.values():
         s.close()
     med = {k: 1e3 * _median(v) for k, v in results.items()}
-    from . import device
-
     out = dict(bench="miss", model=mid, tier=a.tier, device=device.kind(), expert_bytes=store.expert_bytes, batch=K,
                batches=len(batches), per_miss_ms=med,
                copy_split_ms={k: 1e3 * _median(v) for k, v in split.items()},
@@ -296,11 +294,10 @@ def install(a):
                 if mode == "inplace":
                     for d, v in zip(t.dests(slot), views[e]):
                         d[:] = v.reshape(-1).view(np.uint8)
-                    # the device's first read of the slot (a host write moves pages on a GPU)
-                    mx.eval([b[slot].sum() for b in t.buffers])
                 else:
                     t.install_arrays(slot, [_to_mx(v, ts.dtype) for v, ts in zip(views[e], store.tensors)])
-                    mx.eval([b[slot].sum() for b in t.buffers])
+                # the device's first read of the slot (a host write moves pages on a GPU)
+                mx.eval([b[slot].sum() for b in t.buffers])
                 times.append(time.perf_counter() - t0)
             per[f"{mode}_S{S}"] = 1e3 * _median(times)
             del t

@@ -87,7 +87,7 @@ def main(argv=None):
                 hidden=cfg["hidden_size"], dtype=cfg.get("torch_dtype", "float16"))
     num_layers = spec["layers"]
     try:
-        reports = multinode.check_versions(group, dog, a.model)
+        multinode.check_versions(group, dog, a.model)
     except multinode.NodeError as e:
         print(f"error: node {rank}: {e}", file=sys.stderr, flush=True)
         return 4

@@ -128,8 +128,13 @@ class ExpertCache:
     def read_misses(self, layer: int, misses, protected):
         if self.sync == "per_miss":
             for e in misses:
-                self._read_one_and_sync(layer, e, protected)
-            return
+                self._read(layer, [e], protected, evaluate=True)
+        else:
+            self._read(layer, misses, protected)
+
+    def _read(self, layer: int, misses, protected, evaluate=False):
+        """Read `misses` as one batch and install them; with `evaluate`, the slot table is
+        evaluated before returning (the per-miss ablation's synchronisation, counted as install)."""
         table, st, store = self.tables[layer], self.stats, self.store
         t0 = time.perf_counter()
         slots = [table.claim(e, protected) for e in misses]
@@ -146,6 +151,8 @@ class ExpertCache:
                 t3 = time.perf_counter()
                 for s, arrs in zip(slots, arrays):
                     table.install_arrays(s, arrs)
+            if evaluate:
+                mx.eval(table.buffers)
         except BaseException:
             for e in misses:
                 table.release(e)
@@ -158,36 +165,6 @@ class ExpertCache:
         st.bytes_read += n * store.expert_bytes
         st.stall_s += t2 - t1
         st.pread_s += sum(seconds)
-        st.array_s += t3 - t2
-        st.install_s += (t1 - t0) + (t4 - t3)
-
-
-    def _read_one_and_sync(self, layer: int, expert: int, protected):
-        table, st, store = self.tables[layer], self.stats, self.store
-        t0 = time.perf_counter()
-        slot = table.claim(expert, protected)
-        t1 = time.perf_counter()
-        try:
-            if table.install_mode == "inplace":
-                seconds = store.submit(layer, expert, table.dests(slot)).result()
-                t2 = t3 = time.perf_counter()
-            else:
-                views, (seconds,) = store.read_batch(layer, [expert])
-                t2 = time.perf_counter()
-                arrays = [_to_mx(v, t.dtype) for v, t in zip(views[expert], table.tensors)]
-                t3 = time.perf_counter()
-                table.install_arrays(slot, arrays)
-            mx.eval(table.buffers)
-        except BaseException:
-            table.release(expert)
-            raise
-        t4 = time.perf_counter()
-        table.misses += 1
-        table.bytes_read += store.expert_bytes
-        st.misses += 1
-        st.bytes_read += store.expert_bytes
-        st.stall_s += t2 - t1
-        st.pread_s += seconds
         st.array_s += t3 - t2
         st.install_s += (t1 - t0) + (t4 - t3)
 

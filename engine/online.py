@@ -11,6 +11,15 @@ FIELDS = ("hits", "misses", "bytes_read", "stall_s", "pread_s", "array_s", "inst
           "issued", "useful", "wasted", "late", "late_stall_s")
 
 
+def accumulate(acc, records):
+    """Add a decode's steps (not its prefill, which is reported apart) to `acc`."""
+    for r in records[1:]:
+        acc["tokens"] += 1
+        acc["seconds"] += r["seconds"]
+        for k in FIELDS:
+            acc[k] += r[k]
+
+
 def configs(experts, slots, predictor_names, depths):
     """(slots, predictor, depth) to run: the ceiling, S = E, then every S < E."""
     out = [(experts, "mlx-lm", 0), (experts, "none", 0)]
@@ -58,12 +67,7 @@ def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts,
             for ids, sets in zip(inputs, oracle_sets):
                 if eng is not None:
                     eng.bind_oracle(sets)
-                _, recs, _ = decode(model, ids, tokens)
-                for r in recs[1:]:  # decode steps; the prefill is reported apart
-                    acc["tokens"] += 1
-                    acc["seconds"] += r["seconds"]
-                    for k in FIELDS:
-                        acc[k] += r[k]
+                accumulate(acc, decode(model, ids, tokens)[1])
         finally:
             if eng is not None:
                 eng.close()
@@ -120,12 +124,7 @@ def sync_ablation(model_id, tier, prompt_set, slots, n_prompts, tokens, installs
             decode(eng.model, inputs[0], 2)  # warm-up
         for ids in inputs:
             for v, eng in engines.items():
-                _, recs, _ = decode(eng.model, ids, tokens)
-                for r in recs[1:]:
-                    acc[v]["tokens"] += 1
-                    acc[v]["seconds"] += r["seconds"]
-                    for k in FIELDS:
-                        acc[v][k] += r[k]
+                accumulate(acc[v], decode(eng.model, ids, tokens)[1])
     finally:
         for eng in engines.values():
             eng.close()
