@@ -128,15 +128,11 @@ def cmd_trace(a):
 
 def cmd_fit(a):
     from . import predictors, trace
-    from .runtime import fit_predictor
+    from .runtime import fitted_predictor
 
-    fit_path = trace.trace_path(a.model, a.set, "fit", a.tokens)
-    if not fit_path.exists():
-        trace.run(a.model, a.set, "fit", a.tokens)
     size = a.size or registry.get_spec(a.model).get("top_k") or 8
-    out = predictors.fitted_path(a.model, a.set, a.predictor, a.depth, size)
-    pred = fit_predictor(a.model, a.predictor, a.depth, size, fit_path, out)
-    print(out)
+    pred = fitted_predictor(a.model, a.predictor, a.depth, size, a.set, a.tokens, refit=True)
+    print(predictors.fitted_path(a.model, a.set, a.predictor, a.depth, size, a.tokens))
     eval_path = trace.trace_path(a.model, a.set, "eval", a.tokens)
     if not eval_path.exists():
         trace.run(a.model, a.set, "eval", a.tokens)

@@ -248,7 +248,7 @@ def build(spec, out: Path):
             "model": spec["id"],
             "spec_digest": spec_digest(spec),
             "builder_version": BUILDER_VERSION,
-            "files": {f: _sha256(tmp / f) for f in sorted(os.listdir(tmp))},
+            "files": {f: sha256_file(tmp / f) for f in sorted(os.listdir(tmp))},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
         for f in os.listdir(tmp):
@@ -264,7 +264,7 @@ def build(spec, out: Path):
     return out
 
 
-def _sha256(path) -> str:
+def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

@@ -5,7 +5,7 @@ ceiling measured in the same run; and the offline quality of every predictor."""
 import numpy as np
 
 from . import predictors, prompts, simulate, trace
-from .runtime import Engine, EngineConfig, decode, load_reference
+from .runtime import Engine, EngineConfig, decode, fitted_predictor, load_reference
 
 FIELDS = ("hits", "misses", "bytes_read", "stall_s", "pread_s", "array_s", "install_s",
           "issued", "useful", "wasted", "late", "late_stall_s")
@@ -46,7 +46,7 @@ def summarize(acc) -> dict:
 
 
 def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts, tokens,
-          readers=4, fit_tokens=32, install="auto", progress=None):
+          readers=4, fit_tokens=32, install="auto", progress=None, size=None):
     """One result dict per configuration (see `configs`)."""
     ref, tok, spec = load_reference(model_id)
     E = spec["experts"]
@@ -61,7 +61,7 @@ def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts,
         if name != "mlx-lm":
             eng = Engine.load(model_id, EngineConfig(slots=S, tier=tier, readers=readers, install=install,
                                                      predictor=name, depth=max(depth, 1), fit_set=prompt_set,
-                                                     trace_tokens=fit_tokens))
+                                                     trace_tokens=fit_tokens, predict_size=size))
         try:
             model = ref if eng is None else eng.model
             for ids, sets in zip(inputs, oracle_sets):
@@ -82,10 +82,8 @@ def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts,
 def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32, size=None):
     """Offline: precision/recall per predictor and depth on the eval traces, and the hit rate
     each gives in a replay at every S, beside LRU alone and Belady's optimum."""
-    fit = trace.load(trace.trace_path(model_id, prompt_set, "fit", fit_tokens))
     ev = trace.load(trace.trace_path(model_id, prompt_set, "eval", fit_tokens))
-    K = fit.experts.shape[-1]
-    size = size or K
+    size = size or ev.experts.shape[-1]
     out = []
     for S in slots:
         if S >= ev.num_experts:
@@ -97,7 +95,8 @@ def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32,
         if name == "none":
             continue
         for d in depths:
-            pred = predictors.make(name, d, size).fit(fit)
+            pred = (fitted_predictor(model_id, name, d, size, prompt_set, fit_tokens) if name in predictors.FITTED
+                    else predictors.make(name, d, size))
             q = predictors.quality(pred, ev)
             for S in slots:
                 if S >= ev.num_experts:

@@ -145,6 +145,7 @@ class Probe(Predictor):
     name = "probe"
     needs_hidden = True
     steps, lr, l2 = 300, 0.05, 1e-4
+    backend = None  # numpy or mlx; None: by device (see _logistic)
 
     def fit(self, trace, seed: int = 0):
         L, E, D = trace.num_layers, trace.num_experts, trace.hidden.shape[-1]
@@ -159,7 +160,7 @@ class Probe(Predictor):
             np.put_along_axis(Y, trace.experts[dst, tgt].astype(np.int64), 1.0, axis=1)
             self.mean[l], self.std[l] = X.mean(0), X.std(0) + 1e-6
             X = (X - self.mean[l]) / self.std[l]
-            self.W[l], self.b[l] = _logistic(X, Y, self.steps, self.lr, self.l2)
+            self.W[l], self.b[l] = _logistic(X, Y, self.steps, self.lr, self.l2, self.backend)
         return self
 
     def scores(self, layer, hidden):
@@ -176,15 +177,33 @@ class Probe(Predictor):
         self.mean, self.std, self.W, self.b = state["mean"], state["std"], state["W"], state["b"]
 
 
-def _logistic(X, Y, steps, lr, l2):
-    """Full-batch Adam on the mean binary cross-entropy; deterministic (zero init)."""
+def _logistic(X, Y, steps, lr, l2, backend: str | None = None):
+    """Full-batch Adam on the mean binary cross-entropy; deterministic (zero init) per backend.
+
+    `numpy` on the CPU, where its BLAS multiplies ~17x faster than MLX's CPU backend (9 vs 163 ms
+    for one full-size layer's X @ W on this 2-core machine); `mlx` on a GPU, where NumPy took
+    137 s per full-size probe on the H200 machine's host. Default: by the device MLX computes on."""
+    if backend is None:
+        from .device import kind
+
+        backend = "mlx" if kind() == "gpu" else "numpy"
+    if backend not in ("numpy", "mlx"):
+        raise ValueError(f"unknown logistic backend {backend!r}")
+    return (_logistic_mlx if backend == "mlx" else _logistic_numpy)(X, Y, steps, lr, l2)
+
+
+_ADAM = (0.9, 0.999, 1e-8)
+
+
+def _logistic_numpy(X, Y, steps, lr, l2):
     n, d = X.shape
     W, b = np.zeros((d, Y.shape[1]), np.float32), np.zeros(Y.shape[1], np.float32)
     m = [np.zeros_like(W), np.zeros_like(b)]
     v = [np.zeros_like(W), np.zeros_like(b)]
-    b1, b2, eps = 0.9, 0.999, 1e-8
+    b1, b2, eps = _ADAM
     for t in range(1, steps + 1):
-        p = 1.0 / (1.0 + np.exp(-(X @ W + b)))
+        with np.errstate(over="ignore"):  # exp overflow is a sigmoid of exactly 0: right
+            p = 1.0 / (1.0 + np.exp(-(X @ W + b)))
         g = (p - Y) / n
         grads = [X.T @ g + l2 * W, g.sum(0)]
         for i, (param, grad) in enumerate(zip((W, b), grads)):
@@ -192,6 +211,31 @@ def _logistic(X, Y, steps, lr, l2):
             v[i] = b2 * v[i] + (1 - b2) * grad * grad
             param -= lr * (m[i] / (1 - b1**t)) / (np.sqrt(v[i] / (1 - b2**t)) + eps)
     return W, b
+
+
+def _logistic_mlx(X, Y, steps, lr, l2):
+    import mlx.core as mx
+
+    X, Y = mx.array(X, mx.float32), mx.array(Y, mx.float32)
+    n = X.shape[0]
+    b1, b2, eps = _ADAM
+
+    @mx.compile
+    def step(W, b, mW, mb, vW, vb, c1, c2):
+        g = (mx.sigmoid(X @ W + b) - Y) / n
+        new = []
+        for param, grad, m, v in ((W, X.T @ g + l2 * W, mW, vW), (b, g.sum(0), mb, vb)):
+            m = b1 * m + (1 - b1) * grad
+            v = b2 * v + (1 - b2) * grad * grad
+            new.append((param - lr * (m / c1) / (mx.sqrt(v / c2) + eps), m, v))
+        (W, mW, vW), (b, mb, vb) = new
+        return W, b, mW, mb, vW, vb
+
+    state = (mx.zeros((X.shape[1], Y.shape[1])), mx.zeros((Y.shape[1],))) * 3
+    for t in range(1, steps + 1):
+        state = step(*state, mx.array(1 - b1**t), mx.array(1 - b2**t))
+        mx.eval(state)
+    return np.array(state[0]), np.array(state[1])
 
 
 class Oracle(Predictor):
@@ -220,10 +264,11 @@ def make(name: str, depth: int = 1, size: int = 8) -> Predictor:
     return CLASSES[name](depth=depth, size=size)
 
 
-def fitted_path(model_id: str, prompt_set: str, name: str, depth: int, size: int) -> Path:
+def fitted_path(model_id: str, prompt_set: str, name: str, depth: int, size: int, tokens: int) -> Path:
+    """Where a predictor fitted on `prompt_set`'s fit traces of `tokens` decode tokens lives."""
     from .registry import resources_dir
 
-    return resources_dir() / "predictors" / model_id / f"{prompt_set}-{name}-d{depth}-m{size}.npz"
+    return resources_dir() / "predictors" / model_id / f"{prompt_set}-{name}-d{depth}-m{size}-t{tokens}.npz"
 
 
 def save(pred: Predictor, path, meta: dict):
@@ -234,6 +279,7 @@ def save(pred: Predictor, path, meta: dict):
 
 
 def load(path) -> Predictor:
+    """A saved predictor; its sidecar (what it was fitted on) is `pred.meta`."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no fitted predictor (fit it with `python -m engine fit`)")
@@ -242,6 +288,7 @@ def load(path) -> Predictor:
         pred = make(meta["name"], meta["depth"], meta["size"])
         with np.load(path) as z:
             pred.load_state({k: z[k] for k in z.files})
+        pred.meta = meta
     except (OSError, KeyError, ValueError) as e:
         raise ValueError(f"{path}: malformed fitted predictor ({e})") from None
     return pred

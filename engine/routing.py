@@ -4,6 +4,7 @@ a layer's experts are from earlier layers, and how differently code and prose ro
 import numpy as np
 
 from . import predictors, trace
+from .runtime import fitted_predictor
 
 
 def _js_bits(p, q):
@@ -40,7 +41,7 @@ def stats(model_id: str, tokens: int = 32, size: int = 8, depths=(1, 2, 3)) -> l
     for ps in ("general", "code"):
         for name in ("transition", "probe"):
             for d in depths:
-                pred = predictors.make(name, d, size).fit(traces[ps, "fit"])
+                pred = fitted_predictor(model_id, name, d, size, ps, tokens)
                 q = predictors.quality(pred, traces[ps, "eval"])
                 out.append(dict(kind="predictability", model=model_id, prompt_set=ps, predictor=name, depth=d,
                                 precision=q["precision"], recall=q["recall"], chance=size / E))

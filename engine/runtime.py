@@ -111,37 +111,41 @@ class Engine:
         self.store.close()
 
 
-def fitted_predictor(model_id: str, config: EngineConfig, size: int):
-    """Load a fitted predictor, fitting it (and tracing its fit prompts) first if absent."""
+def fitted_predictor(model_id: str, name: str, depth: int, size: int, prompt_set: str = "general",
+                     tokens: int = 32, refit: bool = False):
+    """The `name` predictor fitted on `prompt_set`'s fit trace of `tokens` decode tokens per prompt.
+
+    A saved one is reused only if it was fitted on the very trace file there now (its sha256), so
+    the workflow's `fit` jobs serve every later reader and a re-recorded trace is never paired
+    with a stale fit. Otherwise it is fitted (tracing the fit prompts first if need be) and saved."""
     from . import trace
+    from .embedded import sha256_file
 
-    path = predictors.fitted_path(model_id, config.fit_set, config.predictor, config.depth, size)
-    if not path.exists():
-        tpath = trace.trace_path(model_id, config.fit_set, "fit", config.trace_tokens)
-        if not tpath.exists():
-            print(f"[titan] tracing {model_id} over the {config.fit_set} fit prompts ...", file=sys.stderr, flush=True)
-            trace.run(model_id, config.fit_set, "fit", config.trace_tokens)
-        fit_predictor(model_id, config.predictor, config.depth, size, tpath, path)
-    return predictors.load(path)
-
-
-def fit_predictor(model_id, name, depth, size, trace_path, out):
-    from . import trace
-
-    tr = trace.load(trace_path)
+    tpath = trace.trace_path(model_id, prompt_set, "fit", tokens)
+    if not tpath.exists():
+        print(f"[titan] tracing {model_id} over the {prompt_set} fit prompts ...", file=sys.stderr, flush=True)
+        trace.run(model_id, prompt_set, "fit", tokens)
+    path = predictors.fitted_path(model_id, prompt_set, name, depth, size, tokens)
+    digest = sha256_file(tpath)
+    if path.exists() and not refit:
+        pred = predictors.load(path)
+        if pred.meta.get("trace_sha256") == digest:
+            return pred
+        print(f"[titan] {path} was fitted on another {tpath.name}; fitting again", file=sys.stderr, flush=True)
+    tr = trace.load(tpath)
     if tr.meta.get("model") != model_id:
-        raise trace.TraceError(f"{trace_path}: a trace of {tr.meta.get('model')!r}, not of {model_id!r}")
+        raise trace.TraceError(f"{tpath}: a trace of {tr.meta.get('model')!r}, not of {model_id!r}")
     t0 = time.perf_counter()
     pred = predictors.make(name, depth, size).fit(tr)
-    predictors.save(pred, out, dict(model=model_id, trace=str(trace_path), fit_seconds=time.perf_counter() - t0,
-                                    prompts=tr.meta["result"]["prompts"]))
+    predictors.save(pred, path, dict(model=model_id, trace=str(tpath), trace_sha256=digest, device=device.kind(),
+                                     fit_seconds=time.perf_counter() - t0, prompts=tr.meta["result"]["prompts"]))
     return pred
 
 
 def make_predictor(model_id: str, config: EngineConfig, top_k: int):
     size = config.predict_size or top_k
     if config.predictor in predictors.FITTED:
-        return fitted_predictor(model_id, config, size)
+        return fitted_predictor(model_id, config.predictor, config.depth, size, config.fit_set, config.trace_tokens)
     return predictors.make(config.predictor, config.depth, size)
 
 

@@ -207,7 +207,7 @@ def save_variant(weights, config, spec, work: Path, data_digest: str) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(work / f, tmp / f)
     manifest = dict(model=spec["id"], spec_digest=embedded.spec_digest(spec), builder_version=embedded.BUILDER_VERSION,
-                    data_digest=data_digest, files={f: embedded._sha256(tmp / f) for f in sorted(os.listdir(tmp))})
+                    data_digest=data_digest, files={f: embedded.sha256_file(tmp / f) for f in sorted(os.listdir(tmp))})
     (tmp / embedded.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     if out.exists():
         shutil.rmtree(out)

@@ -2,13 +2,13 @@
 # How the committed GPU results were made: on a Linux machine with one NVIDIA GPU whose Python
 # has MLX's CUDA backend importable (here the H200 of the development `device` tool, where
 # mlx[cuda13], mlx-lm and Snakemake's wheels were carried into /tmp/site). On your own GPU
-# machine, `pip install -e '.[cuda]'` and run the same commands (README, "On an NVIDIA GPU").
+# machine, install as README's "On an NVIDIA GPU" says and run the same commands.
 #
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR
 #   writes OUTDIR/raw.tgz with every new raw file after each step. Measured on the H200: the
 #   benches take ~4 min with the model and store builds, the exactness tests ~5.5 min, the gpu
-#   profile's trained-model half of gate C ~3 min; the full-size half did not finish in the
-#   session's remaining device time (see the README).
+#   profile's trained-model half of gate C ~3 min; of the full-size half, the general prompts
+#   with their fits ~11 min and the sync ablation ~2.5 min (builds and traces ~5.5 min more).
 set -uo pipefail
 out=${1:?usage: scripts/device_gpu.sh OUTDIR}
 mkdir -p "$out"

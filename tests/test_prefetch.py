@@ -1,15 +1,17 @@
 """Prefetching and predictors: exact logits with every predictor, eviction policy and depth;
 predictors that learn what they should; errors that surface; shutdowns that end."""
 
+import json
 import threading
 
 import numpy as np
 import pytest
 
-from engine import predictors, prompts, simulate, trace
+from engine import predictors, prompts, registry, simulate, trace
+from engine.embedded import sha256_file
 from engine.predictors import Context
 from engine.prefetch import Prefetcher
-from engine.runtime import Engine, EngineConfig, decode, load_reference
+from engine.runtime import Engine, EngineConfig, decode, fitted_predictor, load_reference
 from engine.store import Store, StoreError
 
 from conftest import MODELS, PROMPT
@@ -131,8 +133,10 @@ def test_depth_two_composes_the_map():
     assert set(pred.predict(ctx).tolist()) == {int(perm[perm[3]]), int(perm[perm[7]])}
 
 
-def test_probe_learns_a_linear_rule():
-    """Hidden states that encode the next layer's experts linearly are read back by the probe."""
+@pytest.mark.parametrize("backend", ["numpy", "mlx"])
+def test_probe_learns_a_linear_rule(backend):
+    """Hidden states that encode the next layer's experts linearly are read back by the probe,
+    fitted in NumPy (the CPU's default) or in MLX (a GPU's)."""
     rng = np.random.default_rng(0)
     T, L, E, K, D = 600, 2, 8, 2, 16
     hidden = rng.normal(size=(T, L, D)).astype(np.float16)
@@ -144,10 +148,24 @@ def test_probe_learns_a_linear_rule():
             experts[t, l] = np.sort(np.argsort(-(src.astype(float) @ proj))[:K])
     tr = trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=hidden,
                      tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32), decode=np.ones(T, bool), meta={})
-    pred = predictors.make("probe", 1, K).fit(tr)
+    pred = predictors.make("probe", 1, K)
+    pred.backend = backend
+    pred.fit(tr)
     ctxs = [(c, a) for _, c, a in predictors.contexts(tr, 1) if c.layer == 0]
     recall = np.mean([len(set(pred.predict(c).tolist()) & set(a.tolist())) / K for c, a in ctxs])
     assert recall > 0.9
+
+
+def test_logistic_backends_agree():
+    """The MLX fit a GPU runs is the NumPy fit up to float32 rounding."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(200, 32)).astype(np.float32)
+    Y = (rng.random((200, 8)) < 0.25).astype(np.float32)
+    (Wn, bn), (Wm, bm) = (predictors._logistic(X, Y, 50, 0.05, 1e-4, b) for b in ("numpy", "mlx"))
+    assert np.abs(Wn).max() > 0.1
+    assert np.allclose(Wn, Wm, atol=1e-4) and np.allclose(bn, bm, atol=1e-4)
+    with pytest.raises(ValueError, match="backend"):
+        predictors._logistic(X, Y, 1, 0.05, 1e-4, "torch")
 
 
 def test_fitted_state_round_trips(tmp_path, fit_traces):
@@ -158,6 +176,37 @@ def test_fitted_state_round_trips(tmp_path, fit_traces):
         back = predictors.load(tmp_path / f"{name}.npz")
         assert (back.name, back.depth, back.size) == (name, 2, 8)
         assert predictors.quality(back, tr) == predictors.quality(pred, tr)
+
+
+def test_a_saved_fit_is_reused_only_for_the_trace_it_was_fitted_on(tmp_path, fit_traces, monkeypatch):
+    """The workflow's `fit` jobs serve every later reader; a re-recorded trace is fitted again."""
+    monkeypatch.setattr(registry, "resources_dir", lambda: tmp_path)
+    tr = fit_traces("qwen3moe-tiny")
+    tpath = trace.trace_path("qwen3moe-tiny", "code", "fit", 8)
+
+    def record(rows):
+        tpath.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(tpath, **{k: getattr(tr, k)[rows] for k in ("experts", "probs", "hidden", "tokens",
+                                                                         "prompt", "decode")})
+        tpath.with_suffix(".json").write_text(json.dumps({"model": "qwen3moe-tiny", "result": {"prompts": ["p"]}}))
+
+    record(slice(None))
+    first = fitted_predictor("qwen3moe-tiny", "transition", 1, 8, "code", 8)
+    saved = predictors.fitted_path("qwen3moe-tiny", "code", "transition", 1, 8, 8)
+    assert predictors.load(saved).meta["trace_sha256"] == sha256_file(tpath)
+
+    def refuse(self, trace):
+        raise AssertionError("fitted again")
+
+    with monkeypatch.context() as m:
+        m.setattr(predictors.Transition, "fit", refuse)
+        again = fitted_predictor("qwen3moe-tiny", "transition", 1, 8, "code", 8)
+    assert np.array_equal(again.counts, first.counts)
+
+    record(slice(0, len(tr.tokens) // 2))  # the same file name, other tokens
+    refit = fitted_predictor("qwen3moe-tiny", "transition", 1, 8, "code", 8)
+    assert refit.counts.sum() < first.counts.sum()
+    assert predictors.load(saved).meta["trace_sha256"] == sha256_file(tpath)
 
 
 def test_fit_and_eval_prompts_are_disjoint():

@@ -106,11 +106,19 @@ def plots(figdir):
     return expand(f"{figdir}/{{f}}.{{ext}}", f=FIGURES, ext=["png", "pdf"])
 
 
+# Routing statistics compare the fitted predictors at these depths, whatever the sweep runs.
+ROUTING_DEPTHS = [1, 2, 3]
+
+
+def fitted_files(model, psets, names, depths, po):
+    """The fitted predictors (made once by the `fit` rule) that a job reads."""
+    return expand(
+        "resources/predictors/{model}/{pset}-{predictor}-d{depth}-m{size}-t{tokens}.npz",
+        model=model, pset=psets, predictor=[p for p in names if p in FITTED], depth=depths,
+        size=po["predict_size"], tokens=po["fit_tokens"],
+    )
+
+
 def fitted_inputs(wc):
     po = settings(wc.out)["prefetch_online"]
-    fitted = [p for p in po["predictors"] if p in FITTED]
-    return expand(
-        "resources/predictors/{model}/{pset}-{predictor}-d{depth}-m{size}-t{tokens}.done",
-        model=wc.model, pset=wc.pset, predictor=fitted, depth=po["depths"], size=po["predict_size"],
-        tokens=po["fit_tokens"],
-    ) + model_input(wc.model)
+    return fitted_files(wc.model, [wc.pset], po["predictors"], po["depths"], po) + model_input(wc.model)

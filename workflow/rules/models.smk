@@ -37,7 +37,7 @@ rule fit:
         fit="resources/traces/{model}/{pset}-fit-t{tokens}.npz",
         eval="resources/traces/{model}/{pset}-eval-t{tokens}.npz",
     output:
-        "resources/predictors/{model}/{pset}-{predictor}-d{depth}-m{size}-t{tokens}.done",
+        "resources/predictors/{model}/{pset}-{predictor}-d{depth}-m{size}-t{tokens}.npz",
     log:
         "results/logs/fit/{model}-{pset}-{predictor}-d{depth}-m{size}-t{tokens}.log",
     resources:
@@ -49,4 +49,4 @@ rule fit:
     shell:
         "{params.python} -m engine fit --model {wildcards.model} --set {wildcards.pset}"
         " --predictor {wildcards.predictor} --depth {wildcards.depth} --size {wildcards.size}"
-        " --tokens {wildcards.tokens} > {log} 2>&1 && cp {log} {output}"
+        " --tokens {wildcards.tokens} > {log} 2>&1"

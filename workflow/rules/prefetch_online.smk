@@ -19,6 +19,7 @@ rule predictor_quality:
     input:
         fit=lambda wc: trace_file(wc.model, wc.pset, "fit", settings(wc.out)["prefetch_online"]["fit_tokens"]),
         eval=lambda wc: trace_file(wc.model, wc.pset, "eval", settings(wc.out)["prefetch_online"]["fit_tokens"]),
+        fitted=fitted_inputs,
     output:
         protected(f"{{out}}/raw/C/predictor_quality/{RUN}-{{model}}-{{pset}}.jsonl"),
     log:
@@ -39,7 +40,9 @@ rule routing:
             trace_file(wc.model, pset, split, settings(wc.out)["prefetch_online"]["fit_tokens"])
             for pset in ("general", "code")
             for split in ("fit", "eval")
-        ],
+        ]
+        + fitted_files(wc.model, ["general", "code"], ["transition", "probe"], ROUTING_DEPTHS,
+                       settings(wc.out)["prefetch_online"]),
     output:
         protected(f"{{out}}/raw/C/routing/{RUN}-{{model}}.jsonl"),
     log:
@@ -50,6 +53,7 @@ rule routing:
         "../envs/titan.yaml"
     params:
         settings=lambda wc: settings(wc.out)["prefetch_online"],
+        depths=ROUTING_DEPTHS,
     script:
         "../scripts/routing.py"
 

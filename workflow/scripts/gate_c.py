@@ -10,4 +10,4 @@ from engine import online  # noqa: E402
 s, wc = snakemake.params.settings, snakemake.wildcards
 run_gate(snakemake, "C", "prefetch_online", lambda: online.sweep(
     wc.model, wc.tier, wc.pset, s["slots"], s["predictors"], s["depths"], s["prompts"], s["tokens"],
-    readers=s["readers"], fit_tokens=s["fit_tokens"], progress=lambda r: print(r, flush=True)))
+    readers=s["readers"], fit_tokens=s["fit_tokens"], size=s["predict_size"], progress=lambda r: print(r, flush=True)))
