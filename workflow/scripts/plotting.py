@@ -85,6 +85,9 @@ def _online(figdir, name, column, ylabel, title):
             ax.plot(h["slots"], h[column], linestyle=LINES.get(pred, "-"), marker="o" if pset == "general" else "s",
                     color=COLORS.get(pred), label=f"{pred} ({pset})", linewidth=2 if pred in ("none", "oracle") else 1)
         if column == "tok_s":
+            positive = g.loc[g[column] > 0, column]
+            if len(positive) and positive.max() > 10 * positive.min():
+                ax.set_yscale("log")  # e.g. the GPU's full-size model: 4 tok/s at S=16, 177 resident
             for pset, h in g[g["predictor"] == "mlx-lm"].groupby("prompt_set"):
                 ax.axhline(h[column].iloc[0], color="k", linewidth=0.8, linestyle="--")
                 ax.text(ax.get_xlim()[0], h[column].iloc[0], f" mlx-lm resident ({pset})", fontsize=6, va="bottom")
