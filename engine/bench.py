@@ -205,21 +205,22 @@ def miss(a):
     return out
 
 
-def _install_diagnosis(store, views, S, repeats):
+def _install_diagnosis(store, block, views, S, repeats):
     """Where one copy-mode install's time goes, on this device: making the MLX arrays, the
     slot write of arrays the device has already read, a fresh array's first device read, and
     the same for one array holding eight experts. Medians in ms per expert."""
     import mlx.core as mx
 
-    from .moe import _to_mx
+    from .moe import records_to_mx
     from .slots import SlotTable, mx_dtype
 
     E = store.num_experts(0)
     t = SlotTable(0, E, S, store.tensors, install="copy")
     ts = store.tensors
 
-    def arrays(e):
-        return [_to_mx(v, spec.dtype) for v, spec in zip(views[e], ts)]
+    def arrays(e):  # one MLX array per tensor, as the engine made them before records_to_mx
+        out = [mx.array(v) for v in views[e]]
+        return [a.view(mx_dtype(spec.dtype)) if spec.dtype == "bfloat16" else a for a, spec in zip(out, ts)]
 
     parts = {k: [] for k in ("array", "first_device_read", "write_after_read", "write_resident", "fresh_write",
                              "batched8_array", "batched8_write")}
@@ -248,19 +249,12 @@ def _install_diagnosis(store, views, S, repeats):
         parts["write_after_read"].append(t3 - t2)
         parts["write_resident"].append(t4 - t3)
         parts["fresh_write"].append(t6 - t5)
-        # eight experts in one host array: one allocation, one transfer
-        rec = np.concatenate([np.concatenate([v.reshape(-1).view(np.uint8) for v in views[x]]) for x in range(8)])
+        # eight experts in one MLX array, the engine's batch path: one allocation, one transfer
         t7 = time.perf_counter()
-        big = mx.array(rec)
-        mx.eval(big)
+        batch = records_to_mx(block, ts)
+        mx.eval(batch)
         t8 = time.perf_counter()
-        off = 0
-        for x in range(8):
-            arrs = []
-            for spec in ts:
-                raw = big[off: off + spec.nbytes]
-                off += spec.nbytes
-                arrs.append(raw.view(mx_dtype(spec.dtype)).reshape(spec.shape))
+        for x, arrs in enumerate(batch):
             t.install_arrays((x * 7 + i) % S, arrs)
         mx.eval(t.buffers)
         t9 = time.perf_counter()
@@ -273,7 +267,7 @@ def install(a):
     import mlx.core as mx
 
     from . import device, registry
-    from .moe import _to_mx
+    from .moe import records_to_mx
     from .runtime import open_store
     from .slots import SlotTable
 
@@ -282,7 +276,8 @@ def install(a):
     store = open_store(mid, model, path, readers=1)
     del model
     E = store.num_experts(0)
-    views, _ = store.read_batch(0, range(8))
+    block, _ = store.read_block(0, range(8))
+    views = [store.views(row) for row in block]
     per = {}
     for S in (8, 64):
         for mode in ("inplace", "copy"):
@@ -295,14 +290,14 @@ def install(a):
                     for d, v in zip(t.dests(slot), views[e]):
                         d[:] = v.reshape(-1).view(np.uint8)
                 else:
-                    t.install_arrays(slot, [_to_mx(v, ts.dtype) for v, ts in zip(views[e], store.tensors)])
+                    t.install_arrays(slot, records_to_mx(block[e: e + 1], store.tensors)[0])
                 # the device's first read of the slot (a host write moves pages on a GPU)
                 mx.eval([b[slot].sum() for b in t.buffers])
                 times.append(time.perf_counter() - t0)
             per[f"{mode}_S{S}"] = 1e3 * _median(times)
             del t
             mx.clear_cache()
-    diag = _install_diagnosis(store, views, 64, a.repeats * 8)
+    diag = _install_diagnosis(store, block, views, 64, a.repeats * 8)
     store.close()
     out = dict(bench="install", model=mid, device=device.kind(), expert_bytes=store.expert_bytes, install_ms=per,
                ratio_S64_vs_S8={m: per[f"{m}_S64"] / per[f"{m}_S8"] for m in ("inplace", "copy")},

@@ -47,9 +47,15 @@ class StepStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _to_mx(view: np.ndarray, dtype: str):
-    a = mx.array(view)
-    return a.view(mx_dtype(dtype)) if dtype == "bfloat16" else a
+def records_to_mx(block: np.ndarray, tensors) -> list:
+    """Copy mode: each expert's tensors as MLX arrays, from a block of records (one row per
+    expert, as the store reads them). One MLX array holds the whole block: one allocation and
+    one host-to-device transfer per batch instead of one per tensor per expert (on the H200,
+    `bench install`: 1.61 + 0.73 ms per expert against 2.18 + 1.05 + 0.22)."""
+    n, stride = block.shape
+    flat = mx.array(block.reshape(-1))
+    return [[flat[i * stride + t.offset: i * stride + t.offset + t.nbytes].view(mx_dtype(t.dtype)).reshape(t.shape)
+             for t in tensors] for i in range(n)]
 
 
 # `batched`: a layer's misses are read together and installed lazily (Algorithm 1);
@@ -94,9 +100,9 @@ class ExpertCache:
             batch = 8  # bounds the host records held at once
             for first in range(0, table.num_experts, batch):
                 experts = range(first, min(first + batch, table.num_experts))
-                views, _ = self.store.read_batch(layer, experts)
-                for e in experts:
-                    table.install_arrays(e, [_to_mx(v, t.dtype) for v, t in zip(views[e], table.tensors)])
+                block, _ = self.store.read_block(layer, experts)
+                for e, arrays in zip(experts, records_to_mx(block, table.tensors)):
+                    table.install_arrays(e, arrays)
                 mx.eval(table.buffers)
         table.bytes_read += table.num_experts * self.store.expert_bytes
 
@@ -145,9 +151,9 @@ class ExpertCache:
                 seconds = [f.result() for f in futures]
                 t2 = t3 = time.perf_counter()
             else:
-                views, seconds = store.read_batch(layer, misses)
+                block, seconds = store.read_block(layer, misses)
                 t2 = time.perf_counter()
-                arrays = [[_to_mx(v, t.dtype) for v, t in zip(views[e], table.tensors)] for e in misses]
+                arrays = records_to_mx(block, table.tensors)
                 t3 = time.perf_counter()
                 for s, arrs in zip(slots, arrays):
                     table.install_arrays(s, arrs)

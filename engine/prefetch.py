@@ -90,11 +90,11 @@ class Prefetcher:
             raise failed
 
     def _install_record(self, table, f, need, cache):
-        from .moe import _to_mx
+        from .moe import records_to_mx
 
         st = cache.stats
         t0 = time.perf_counter()
-        arrays = [_to_mx(v, t.dtype) for v, t in zip(cache.store.views(f.record), table.tensors)]
+        arrays = records_to_mx(f.record[None], table.tensors)[0]
         t1 = time.perf_counter()
         table.install_arrays(table.claim(f.expert, protected=need), arrays)
         st.array_s += t1 - t0

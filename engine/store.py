@@ -273,6 +273,14 @@ class Store:
         views = {e: self.views(r) for e, r in zip(experts, records)} if records is not None else None
         return views, seconds
 
+    def read_block(self, layer: int, experts):
+        """Read several experts of a layer into the rows of one block (each row on a page
+        boundary); returns (block of shape (n, row bytes >= expert_bytes), [pread seconds])."""
+        experts = list(experts)
+        block = aligned_empty(len(experts) * self.record_bytes).reshape(len(experts), self.record_bytes)
+        futures = [self.submit(layer, e, [block[i, : self.expert_bytes]]) for i, e in enumerate(experts)]
+        return block, [f.result() for f in futures]
+
     def verify_all(self, layers=None):
         """Check every expert's checksum; raises StoreError naming the first bad one."""
         saved = self.verify

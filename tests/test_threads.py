@@ -42,14 +42,14 @@ def test_numpy_views_from_a_reader_thread_are_safe():
 @pytest.mark.parametrize("install", ["copy", "inplace"])
 def test_engine_makes_mlx_arrays_only_in_the_decode_thread(monkeypatch, install):
     threads = set()
-    real = moe._to_mx
+    real = moe.records_to_mx
 
-    def spy(view, dtype):
+    def spy(block, tensors):
         threads.add(threading.current_thread().name)
-        assert isinstance(view, np.ndarray)
-        return real(view, dtype)
+        assert isinstance(block, np.ndarray)
+        return real(block, tensors)
 
-    monkeypatch.setattr(moe, "_to_mx", spy)
+    monkeypatch.setattr(moe, "records_to_mx", spy)
     eng = Engine.load("olmoe-tiny", EngineConfig(slots=16, install=install, readers=4, predictor="oracle"))
     try:
         ids = eng.tokenizer.encode(PROMPT)
@@ -63,4 +63,4 @@ def test_engine_makes_mlx_arrays_only_in_the_decode_thread(monkeypatch, install)
         eng.close()
     assert threads <= {threading.main_thread().name}
     if install == "copy":
-        assert threads, "copy mode made its arrays through _to_mx"
+        assert threads, "copy mode made its arrays through records_to_mx"
