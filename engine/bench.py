@@ -205,22 +205,21 @@ def miss(a):
     return out
 
 
-def _install_diagnosis(store, block, views, S, repeats):
+def _install_diagnosis(store, block, S, repeats):
     """Where one copy-mode install's time goes, on this device: making the MLX arrays, the
     slot write of arrays the device has already read, a fresh array's first device read, and
     the same for one array holding eight experts. Medians in ms per expert."""
     import mlx.core as mx
 
     from .moe import records_to_mx
-    from .slots import SlotTable, mx_dtype
+    from .slots import SlotTable
 
     E = store.num_experts(0)
     t = SlotTable(0, E, S, store.tensors, install="copy")
     ts = store.tensors
 
-    def arrays(e):  # one MLX array per tensor, as the engine made them before records_to_mx
-        out = [mx.array(v) for v in views[e]]
-        return [a.view(mx_dtype(spec.dtype)) if spec.dtype == "bfloat16" else a for a, spec in zip(out, ts)]
+    def arrays(e):  # one MLX array per tensor (the CPU's copy path)
+        return records_to_mx(block[e: e + 1], ts, one_array=False)[0]
 
     parts = {k: [] for k in ("array", "first_device_read", "write_after_read", "write_resident", "fresh_write",
                              "batched8_array", "batched8_write")}
@@ -249,9 +248,9 @@ def _install_diagnosis(store, block, views, S, repeats):
         parts["write_after_read"].append(t3 - t2)
         parts["write_resident"].append(t4 - t3)
         parts["fresh_write"].append(t6 - t5)
-        # eight experts in one MLX array, the engine's batch path: one allocation, one transfer
+        # eight experts in one MLX array (the GPU's copy path): one allocation, one transfer
         t7 = time.perf_counter()
-        batch = records_to_mx(block, ts)
+        batch = records_to_mx(block, ts, one_array=True)
         mx.eval(batch)
         t8 = time.perf_counter()
         for x, arrs in enumerate(batch):
@@ -290,14 +289,14 @@ def install(a):
                     for d, v in zip(t.dests(slot), views[e]):
                         d[:] = v.reshape(-1).view(np.uint8)
                 else:
-                    t.install_arrays(slot, records_to_mx(block[e: e + 1], store.tensors)[0])
+                    t.install_arrays(slot, records_to_mx(block[e: e + 1], store.tensors, device.kind() == "gpu")[0])
                 # the device's first read of the slot (a host write moves pages on a GPU)
                 mx.eval([b[slot].sum() for b in t.buffers])
                 times.append(time.perf_counter() - t0)
             per[f"{mode}_S{S}"] = 1e3 * _median(times)
             del t
             mx.clear_cache()
-    diag = _install_diagnosis(store, block, views, 64, a.repeats * 8)
+    diag = _install_diagnosis(store, block, 64, a.repeats * 8)
     store.close()
     out = dict(bench="install", model=mid, device=device.kind(), expert_bytes=store.expert_bytes, install_ms=per,
                ratio_S64_vs_S8={m: per[f"{m}_S64"] / per[f"{m}_S8"] for m in ("inplace", "copy")},

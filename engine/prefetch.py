@@ -94,7 +94,7 @@ class Prefetcher:
 
         st = cache.stats
         t0 = time.perf_counter()
-        arrays = records_to_mx(f.record[None], table.tensors)[0]
+        arrays = records_to_mx(f.record[None], table.tensors, cache.one_array)[0]
         t1 = time.perf_counter()
         table.install_arrays(table.claim(f.expert, protected=need), arrays)
         st.array_s += t1 - t0

@@ -10,7 +10,7 @@ import stat
 import mlx.core as mx
 import pytest
 
-from engine import device, provenance
+from engine import device, moe, provenance
 from engine.runtime import Engine, EngineConfig
 from engine.slots import SlotTable
 from engine.store import TensorSpec
@@ -62,6 +62,21 @@ def test_full_table_filled_by_copy_is_bit_identical(reference):
     ref = reference("olmoe-tiny")
     _, logits, counters = run_engine("olmoe-tiny", ref, slots=64, install="copy")
     assert counters["misses"] == 0
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_copy_misses_bit_identical_with_either_array_path(reference, monkeypatch, kind):
+    """Copy mode makes a batch's arrays per tensor on the CPU and as one array on a GPU; both
+    paths run here (bfloat16 tensors included), with misses and evictions, and change no logit."""
+    monkeypatch.setattr(device, "kind", lambda: kind)
+    made = []
+    real = moe.records_to_mx
+    monkeypatch.setattr(moe, "records_to_mx", lambda b, t, one: made.append(one) or real(b, t, one))
+    ref = reference("qwen3moe-tiny")
+    _, logits, counters = run_engine("qwen3moe-tiny", ref, slots=32, install="copy")
+    assert counters["misses"] > 0 and counters["evictions"] > 0
+    assert set(made) == {kind == "gpu"}
     assert max_abs_diff(ref["logits"], logits) == 0.0
 
 

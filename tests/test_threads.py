@@ -44,10 +44,10 @@ def test_engine_makes_mlx_arrays_only_in_the_decode_thread(monkeypatch, install)
     threads = set()
     real = moe.records_to_mx
 
-    def spy(block, tensors):
+    def spy(block, tensors, one_array):
         threads.add(threading.current_thread().name)
         assert isinstance(block, np.ndarray)
-        return real(block, tensors)
+        return real(block, tensors, one_array)
 
     monkeypatch.setattr(moe, "records_to_mx", spy)
     eng = Engine.load("olmoe-tiny", EngineConfig(slots=16, install=install, readers=4, predictor="oracle"))
