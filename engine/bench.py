@@ -289,7 +289,7 @@ def install(a):
                     for d, v in zip(t.dests(slot), views[e]):
                         d[:] = v.reshape(-1).view(np.uint8)
                 else:
-                    t.install_arrays(slot, records_to_mx(block[e: e + 1], store.tensors, device.kind() == "gpu")[0])
+                    t.install_arrays(slot, records_to_mx(block[e: e + 1], store.tensors, device.one_array())[0])
                 # the device's first read of the slot (a host write moves pages on a GPU)
                 mx.eval([b[slot].sum() for b in t.buffers])
                 times.append(time.perf_counter() - t0)

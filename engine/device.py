@@ -23,6 +23,11 @@ def default_install(device_kind: str | None = None) -> str:
     return "copy" if (device_kind or kind()) == "gpu" else "inplace"
 
 
+def one_array(device_kind: str | None = None) -> bool:
+    """Whether copy mode makes a batch's arrays as one MLX array (moe.records_to_mx says why)."""
+    return (device_kind or kind()) == "gpu"
+
+
 def resolve_install(mode: str, device_kind: str | None = None) -> str:
     if mode == "auto":
         return default_install(device_kind)

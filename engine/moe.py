@@ -94,7 +94,7 @@ class ExpertCache:
         self.stats = StepStats()
         self.position, self.rows = 0, 1
         self.history = [None] * len(tables)  # per layer, the most recent token's experts
-        self.one_array = device.kind() == "gpu"  # how copy mode makes arrays (records_to_mx)
+        self.one_array = device.one_array()  # how copy mode makes arrays (records_to_mx)
 
     def begin_step(self, position: int, rows: int):
         """A model call over `rows` tokens starting at sequence `position` begins."""

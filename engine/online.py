@@ -5,7 +5,7 @@ ceiling measured in the same run; and the offline quality of every predictor."""
 import numpy as np
 
 from . import predictors, prompts, simulate, trace
-from .runtime import Engine, EngineConfig, decode, fitted_predictor, load_reference
+from .runtime import Engine, EngineConfig, decode, get_predictor, load_reference
 
 FIELDS = ("hits", "misses", "bytes_read", "stall_s", "pread_s", "array_s", "install_s",
           "issued", "useful", "wasted", "late", "late_stall_s")
@@ -95,8 +95,7 @@ def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32,
         if name == "none":
             continue
         for d in depths:
-            pred = (fitted_predictor(model_id, name, d, size, prompt_set, fit_tokens) if name in predictors.FITTED
-                    else predictors.make(name, d, size))
+            pred = get_predictor(model_id, name, d, size, prompt_set, fit_tokens)
             q = predictors.quality(pred, ev)
             for S in slots:
                 if S >= ev.num_experts:

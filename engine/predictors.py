@@ -180,9 +180,9 @@ class Probe(Predictor):
 def _logistic(X, Y, steps, lr, l2, backend: str | None = None):
     """Full-batch Adam on the mean binary cross-entropy; deterministic (zero init) per backend.
 
-    `numpy` on the CPU, where its BLAS multiplies ~17x faster than MLX's CPU backend (9 vs 163 ms
-    for one full-size layer's X @ W on this 2-core machine); `mlx` on a GPU, where NumPy took
-    137 s per full-size probe on the H200 machine's host. Default: by the device MLX computes on."""
+    `numpy` on the CPU, where its BLAS is the faster one; `mlx` on a GPU, where a full-size NumPy
+    probe took minutes on the host (README, "On an NVIDIA GPU", has both measurements).
+    Default: by the device MLX computes on."""
     if backend is None:
         from .device import kind
 

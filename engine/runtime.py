@@ -142,11 +142,16 @@ def fitted_predictor(model_id: str, name: str, depth: int, size: int, prompt_set
     return pred
 
 
+def get_predictor(model_id: str, name: str, depth: int, size: int, prompt_set: str = "general", tokens: int = 32):
+    """Predictor `name`: the saved fit for a fitted one (see `fitted_predictor`), else a fresh one."""
+    if name in predictors.FITTED:
+        return fitted_predictor(model_id, name, depth, size, prompt_set, tokens)
+    return predictors.make(name, depth, size)
+
+
 def make_predictor(model_id: str, config: EngineConfig, top_k: int):
-    size = config.predict_size or top_k
-    if config.predictor in predictors.FITTED:
-        return fitted_predictor(model_id, config.predictor, config.depth, size, config.fit_set, config.trace_tokens)
-    return predictors.make(config.predictor, config.depth, size)
+    return get_predictor(model_id, config.predictor, config.depth, config.predict_size or top_k, config.fit_set,
+                         config.trace_tokens)
 
 
 def load_reference(model_id: str):

@@ -259,20 +259,6 @@ class Store:
         pool = self._prefetch_pool if prefetch else self._pool
         return pool.submit(self.read_into, layer, expert, dests)
 
-    def read_batch(self, layer: int, experts, dests=None):
-        """Read several experts of a layer at once. Without `dests`, each lands in a fresh
-        record buffer; returns ({expert: [nine NumPy views]}, [pread seconds])."""
-        experts = list(experts)
-        if dests is None:
-            records = [self.empty_record() for _ in experts]
-            dests = [[r] for r in records]
-        else:
-            records = None
-        futures = [self.submit(layer, e, d) for e, d in zip(experts, dests)]
-        seconds = [f.result() for f in futures]
-        views = {e: self.views(r) for e, r in zip(experts, records)} if records is not None else None
-        return views, seconds
-
     def read_block(self, layer: int, experts):
         """Read several experts of a layer into the rows of one block (each row on a page
         boundary); returns (block of shape (n, row bytes >= expert_bytes), [pread seconds])."""
@@ -280,6 +266,12 @@ class Store:
         block = aligned_empty(len(experts) * self.record_bytes).reshape(len(experts), self.record_bytes)
         futures = [self.submit(layer, e, [block[i, : self.expert_bytes]]) for i, e in enumerate(experts)]
         return block, [f.result() for f in futures]
+
+    def read_batch(self, layer: int, experts):
+        """`read_block` as NumPy views: ({expert: [nine views]}, [pread seconds])."""
+        experts = list(experts)
+        block, seconds = self.read_block(layer, experts)
+        return {e: self.views(row) for e, row in zip(experts, block)}, seconds
 
     def verify_all(self, layers=None):
         """Check every expert's checksum; raises StoreError naming the first bad one."""
