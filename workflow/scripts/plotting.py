@@ -132,7 +132,10 @@ def predictor_recall(figdir):
         return _empty(figdir, "predictor_recall", "predictor quality results")
     df = df.drop_duplicates(["model", "prompt_set", "predictor", "depth"])
     panels = sorted(df.groupby(["model", "prompt_set"]).groups)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    depths = sorted(df["depth"].unique())
     for ax, (model, pset) in zip(axes.flat, panels):
         g = df[(df["model"] == model) & (df["prompt_set"] == pset)]
         for pred, h in g.groupby("predictor"):
@@ -143,9 +146,18 @@ def predictor_recall(figdir):
         ax.set_xlabel("depth d")
         ax.set_ylabel("recall at top-k")
         ax.set_ylim(0, 1.05)
-    axes.flat[0].legend(fontsize=7)
+        ax.set_xticks(depths)
+        ax.set_xlim(min(depths) - 0.3, max(depths) + 0.3)  # a panel with d=1 only keeps the same axis
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    # One legend for every panel: not every model has every predictor.
+    legend = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=len(legend))
     fig.suptitle("Predictor recall by prefetch depth (held-out prompts)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
     _save(fig, figdir, "predictor_recall")
 
 
