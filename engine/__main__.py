@@ -23,6 +23,8 @@ def _add_engine_args(p):
                    default="none", help="what to prefetch (none: demand loading)")
     p.add_argument("--depth", type=int, default=1, help="prefetch depth d: layer l prefetches layer l+d")
     p.add_argument("--predict-size", type=int, default=None, help="experts predicted per layer (default: top_k)")
+    p.add_argument("--min-prob", type=float, default=0.0,
+                   help="issue only predicted experts at least this likely (fitted predictors; default 0: all)")
     p.add_argument("--fit-set", choices=["general", "code"], default="general",
                    help="prompt set whose fit traces fitted predictors learn from")
     p.add_argument("--verify", choices=["first", "always", "never"], default="first",
@@ -34,7 +36,7 @@ def _engine_config(a):
 
     return EngineConfig(slots=a.slots, tier=a.tier, install=a.install, sync=a.sync, readers=a.readers, eviction=a.eviction,
                         verify=a.verify, predictor=a.predictor, depth=a.depth, predict_size=a.predict_size,
-                        fit_set=a.fit_set)
+                        min_prob=a.min_prob, fit_set=a.fit_set)
 
 
 def cmd_list(a):

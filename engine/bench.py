@@ -31,6 +31,8 @@ def add_args(p):
     p.add_argument("--depths", type=int, nargs="*", default=[1, 2, 3], help="prefetch: depths")
     p.add_argument("--prompts", type=int, default=4, help="prefetch: eval prompts of --set to decode")
     p.add_argument("--set", choices=["general", "code"], default="general", help="prefetch: prompt set")
+    p.add_argument("--min-probs", type=float, nargs="*", default=[0.0],
+                   help="prefetch: confidence floors to run each fitted predictor at (0: its whole top-k set)")
     p.add_argument("--record", action="store_true",
                    help="also write the result as a raw record under results/raw/bench/<which>/")
 
@@ -323,10 +325,13 @@ def prefetch_bench(a):
     ref, tok, spec = runtime.load_reference(mid)
     E = spec["experts"]
     S = a.slots[0] if a.slots else E // 4
-    configs = [("none", 0)] + [(p, d) for p in a.predictors for d in a.depths]
+    from .predictors import FITTED
+
+    configs = [("none", 0, 0.0)] + [(p, d, q) for p in a.predictors for d in a.depths
+                                     for q in (a.min_probs if p in FITTED else [0.0])]
     engines = {
         c: runtime.Engine.load(mid, runtime.EngineConfig(slots=S, tier=a.tier, predictor=c[0], depth=max(c[1], 1),
-                                                         fit_set=a.set))
+                                                         fit_set=a.set, min_prob=c[2]))
         for c in configs
     }
     rows = prompts.load(a.set, "eval")[: a.prompts]
@@ -348,9 +353,9 @@ def prefetch_bench(a):
     for eng in engines.values():
         eng.close()
     table = {}
-    for (name, d), acc in sums.items():
-        table[f"{name}/d{d}"] = dict(
-            predictor=name, depth=d, tok_s=acc["tokens"] / acc["seconds"],
+    for (name, d, q), acc in sums.items():
+        table[f"{name}/d{d}" + (f"/p{q:g}" if q else "")] = dict(
+            predictor=name, depth=d, min_prob=q, tok_s=acc["tokens"] / acc["seconds"],
             stall_ms_per_token=1e3 * acc["stall"] / acc["tokens"],
             hit_rate=acc["hits"] / (acc["hits"] + acc["misses"]),
             issued=acc["issued"], useful=acc["useful"], wasted=acc["wasted"], late=acc["late"])

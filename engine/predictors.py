@@ -12,6 +12,11 @@ Fitted on traces of *fit* prompts, scored on traces of held-out *eval* prompts:
 
 Depth wraps: from layer l, depth d targets layer (l + d) mod L of token t + (l + d) div L, so
 the last layers of a token prefetch the first layers of the next.
+
+The fitted predictors also estimate each expert's probability of being used (`prob`), so a
+confidence floor `min_prob` can drop the unsure part of the top-`size` set: where a wasted
+prefetch costs a full install (a GPU's managed-memory path), fewer and surer reads can beat
+more and likelier-wasted ones. At `min_prob` 0 the prediction is the plain top-`size` set.
 """
 
 import json
@@ -47,12 +52,19 @@ def _top(scores: np.ndarray, m: int, tiebreak: np.ndarray | None = None) -> np.n
     return np.lexsort(key[::-1])[:m]
 
 
+def _sure(top: np.ndarray, prob: np.ndarray, min_prob: float) -> np.ndarray:
+    """The experts of `top` whose estimated probability reaches `min_prob` (order kept)."""
+    return top if min_prob <= 0 else top[prob[top] >= min_prob]
+
+
 class Predictor:
     name = "base"
     needs_hidden = False
 
-    def __init__(self, depth: int = 1, size: int = 8):
-        self.depth, self.size = depth, size
+    def __init__(self, depth: int = 1, size: int = 8, min_prob: float = 0.0):
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must lie in [0, 1], not {min_prob}")
+        self.depth, self.size, self.min_prob = depth, size, min_prob
 
     def fit(self, trace):
         return self
@@ -82,16 +94,22 @@ class Popularity(Predictor):
         self.counts = np.zeros((L, E), np.int64)
         for l in range(L):
             np.add.at(self.counts[l], trace.experts[:, l].reshape(-1), 1)
+        self.top_k = trace.experts.shape[-1]
         return self
 
+    def prob(self, ctx):
+        """The share of the fit tokens that routed to each expert at the target layer."""
+        c = self.counts[ctx.target].astype(float)
+        return c / max(1.0, c.sum() / self.top_k)  # the layer's counts sum to tokens x top_k
+
     def predict(self, ctx):
-        return _top(self.counts[ctx.target].astype(float), self.size)
+        return _sure(_top(self.counts[ctx.target].astype(float), self.size), self.prob(ctx), self.min_prob)
 
     def state(self):
-        return {"counts": self.counts}
+        return {"counts": self.counts, "top_k": np.int64(self.top_k)}
 
     def load_state(self, state):
-        self.counts = state["counts"]
+        self.counts, self.top_k = state["counts"], int(state["top_k"])
 
 
 class Previous(Predictor):
@@ -126,17 +144,26 @@ class Transition(Predictor):
             b = trace.experts[dst, tgt].astype(np.int64)  # (N, K)
             # every (i, j) of a token's K x K pairs: O(T L K^2)
             np.add.at(self.counts[l], (a[:, :, None], b[:, None, :]), 1)
+        self.top_k = trace.experts.shape[-1]
         return self
+
+    def prob(self, ctx):
+        """Of the fit tokens that routed to this token's experts at layer l, the share whose
+        target layer used each expert: sum_i c_ij / sum_i n_i over this token's experts i, where
+        n_i = sum_j c_ij / top_k (each of them was followed by top_k experts)."""
+        rows = self.counts[ctx.layer][np.asarray(ctx.experts, np.int64)]
+        return rows.sum(0) / max(1.0, rows.sum() / self.top_k)
 
     def predict(self, ctx):
         scores = self.counts[ctx.layer][np.asarray(ctx.experts, np.int64)].sum(0).astype(float)
-        return _top(scores, self.size, self.popularity[ctx.target].astype(float))
+        top = _top(scores, self.size, self.popularity[ctx.target].astype(float))
+        return _sure(top, self.prob(ctx), self.min_prob)
 
     def state(self):
-        return {"counts": self.counts, "popularity": self.popularity}
+        return {"counts": self.counts, "popularity": self.popularity, "top_k": np.int64(self.top_k)}
 
     def load_state(self, state):
-        self.counts, self.popularity = state["counts"], state["popularity"]
+        self.counts, self.popularity, self.top_k = state["counts"], state["popularity"], int(state["top_k"])
 
 
 class Probe(Predictor):
@@ -167,8 +194,17 @@ class Probe(Predictor):
         x = (np.asarray(hidden, np.float32) - self.mean[layer]) / self.std[layer]
         return x @ self.W[layer] + self.b[layer]
 
+    def prob(self, ctx):
+        with np.errstate(over="ignore"):  # exp overflow: a probability of exactly 0
+            return 1.0 / (1.0 + np.exp(-self.scores(ctx.layer, ctx.hidden)))
+
     def predict(self, ctx):
-        return _top(self.scores(ctx.layer, ctx.hidden), self.size)
+        scores = self.scores(ctx.layer, ctx.hidden)
+        top = _top(scores, self.size)
+        if self.min_prob <= 0:
+            return top
+        with np.errstate(over="ignore"):
+            return _sure(top, 1.0 / (1.0 + np.exp(-scores)), self.min_prob)
 
     def state(self):
         return {"mean": self.mean, "std": self.std, "W": self.W, "b": self.b}
@@ -258,10 +294,12 @@ class Oracle(Predictor):
 CLASSES = {c.name: c for c in (NoPredictor, Popularity, Previous, Transition, Probe, Oracle)}
 
 
-def make(name: str, depth: int = 1, size: int = 8) -> Predictor:
+def make(name: str, depth: int = 1, size: int = 8, min_prob: float = 0.0) -> Predictor:
     if name not in CLASSES:
         raise ValueError(f"unknown predictor {name!r}; choose from {', '.join(NAMES)}")
-    return CLASSES[name](depth=depth, size=size)
+    if min_prob > 0 and name not in FITTED:
+        raise ValueError(f"min_prob applies to the fitted predictors ({', '.join(FITTED)}), not to {name!r}")
+    return CLASSES[name](depth=depth, size=size, min_prob=min_prob)
 
 
 def fitted_path(model_id: str, prompt_set: str, name: str, depth: int, size: int, tokens: int) -> Path:
@@ -271,11 +309,25 @@ def fitted_path(model_id: str, prompt_set: str, name: str, depth: int, size: int
     return resources_dir() / "predictors" / model_id / f"{prompt_set}-{name}-d{depth}-m{size}-t{tokens}.npz"
 
 
+# Bumped whenever a fitted predictor's saved state changes (2: the fit's top_k, for `prob`), so an
+# older saved fit is refitted rather than misread.
+FORMAT = 2
+
+
 def save(pred: Predictor, path, meta: dict):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **pred.state())
-    path.with_suffix(".json").write_text(json.dumps(dict(meta, name=pred.name, depth=pred.depth, size=pred.size), indent=1))
+    meta = dict(meta, name=pred.name, depth=pred.depth, size=pred.size, format=FORMAT)
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1))
+
+
+def sidecar(path) -> dict:
+    """What a saved predictor was fitted on ({} if there is no readable sidecar)."""
+    try:
+        return json.loads(Path(path).with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def load(path) -> Predictor:

@@ -29,6 +29,7 @@ class EngineConfig:
     predictor: str = "none"
     depth: int = 1
     predict_size: int | None = None  # None: top_k
+    min_prob: float = 0.0  # fitted predictors issue only experts at least this likely (0: all predicted)
     fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
     trace_tokens: int = 32  # decode tokens per prompt in those traces
 
@@ -128,10 +129,11 @@ def fitted_predictor(model_id: str, name: str, depth: int, size: int, prompt_set
     path = predictors.fitted_path(model_id, prompt_set, name, depth, size, tokens)
     digest = sha256_file(tpath)
     if path.exists() and not refit:
-        pred = predictors.load(path)
-        if pred.meta.get("trace_sha256") == digest:
-            return pred
-        print(f"[titan] {path} was fitted on another {tpath.name}; fitting again", file=sys.stderr, flush=True)
+        meta = predictors.sidecar(path)
+        if meta.get("trace_sha256") == digest and meta.get("format") == predictors.FORMAT:
+            return predictors.load(path)
+        why = "another " + tpath.name if meta.get("trace_sha256") != digest else "an older engine's format"
+        print(f"[titan] {path} was fitted on {why}; fitting again", file=sys.stderr, flush=True)
     tr = trace.load(tpath)
     if tr.meta.get("model") != model_id:
         raise trace.TraceError(f"{tpath}: a trace of {tr.meta.get('model')!r}, not of {model_id!r}")
@@ -142,16 +144,20 @@ def fitted_predictor(model_id: str, name: str, depth: int, size: int, prompt_set
     return pred
 
 
-def get_predictor(model_id: str, name: str, depth: int, size: int, prompt_set: str = "general", tokens: int = 32):
-    """Predictor `name`: the saved fit for a fitted one (see `fitted_predictor`), else a fresh one."""
+def get_predictor(model_id: str, name: str, depth: int, size: int, prompt_set: str = "general", tokens: int = 32,
+                  min_prob: float = 0.0):
+    """Predictor `name`: the saved fit for a fitted one (see `fitted_predictor`), else a fresh one.
+    `min_prob` is a confidence floor on what it predicts, not part of the fit."""
+    pred = predictors.make(name, depth, size, min_prob)  # checks the name and min_prob first
     if name in predictors.FITTED:
-        return fitted_predictor(model_id, name, depth, size, prompt_set, tokens)
-    return predictors.make(name, depth, size)
+        pred = fitted_predictor(model_id, name, depth, size, prompt_set, tokens)
+        pred.min_prob = min_prob
+    return pred
 
 
 def make_predictor(model_id: str, config: EngineConfig, top_k: int):
     return get_predictor(model_id, config.predictor, config.depth, config.predict_size or top_k, config.fit_set,
-                         config.trace_tokens)
+                         config.trace_tokens, config.min_prob)
 
 
 def load_reference(model_id: str):

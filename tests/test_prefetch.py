@@ -209,6 +209,75 @@ def test_a_saved_fit_is_reused_only_for_the_trace_it_was_fitted_on(tmp_path, fit
     assert predictors.load(saved).meta["trace_sha256"] == sha256_file(tpath)
 
 
+def test_a_saved_fit_of_an_older_format_is_fitted_again(tmp_path, fit_traces, monkeypatch):
+    """A fit saved before its state gained a field (format 1 had no top_k) is never misread."""
+    monkeypatch.setattr(registry, "resources_dir", lambda: tmp_path)
+    tr = fit_traces("qwen3moe-tiny")
+    tpath = trace.trace_path("qwen3moe-tiny", "code", "fit", 8)
+    tpath.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(tpath, **{k: getattr(tr, k) for k in ("experts", "probs", "hidden", "tokens", "prompt",
+                                                              "decode")})
+    tpath.with_suffix(".json").write_text(json.dumps({"model": "qwen3moe-tiny", "result": {"prompts": ["p"]}}))
+    first = fitted_predictor("qwen3moe-tiny", "popularity", 1, 8, "code", 8)
+    saved = predictors.fitted_path("qwen3moe-tiny", "code", "popularity", 1, 8, 8)
+    np.savez_compressed(saved, counts=first.counts)  # as format 1 wrote it
+    meta = predictors.sidecar(saved)
+    meta.pop("format")
+    saved.with_suffix(".json").write_text(json.dumps(meta))
+    again = fitted_predictor("qwen3moe-tiny", "popularity", 1, 8, "code", 8)
+    assert again.top_k == tr.experts.shape[-1]
+    assert predictors.sidecar(saved)["format"] == predictors.FORMAT
+    assert "top_k" in np.load(saved).files
+
+
+@pytest.mark.parametrize("name", predictors.FITTED)
+def test_a_confidence_floor_keeps_only_the_sure_part_of_a_prediction(fit_traces, name):
+    """`min_prob` q predicts the experts of the plain top-k prediction whose estimated probability
+    reaches q, in the same order: q = 0 is the plain prediction, and a higher floor predicts less."""
+    tr = fit_traces("qwen3moe-tiny")
+    K = tr.experts.shape[-1]
+    plain = predictors.make(name, 1, K).fit(tr)
+    floors = {q: predictors.make(name, 1, K, min_prob=q) for q in (0.0, 0.3, 0.6, 1.0)}
+    for pred in floors.values():
+        pred.load_state(plain.state())
+    sizes = {q: 0 for q in floors}
+    for _, ctx, _ in predictors.contexts(tr, 1):
+        prob, top = plain.prob(ctx), plain.predict(ctx)
+        assert prob.min() >= 0 and prob.max() <= 1 + 1e-9
+        if name != "probe":  # counted shares: every token used top_k experts
+            assert prob.sum() == pytest.approx(K)
+        for q, pred in floors.items():
+            got = pred.predict(ctx)
+            assert got.tolist() == [e for e in top.tolist() if prob[e] >= q]
+            sizes[q] += len(got)
+    assert sizes[0.0] > sizes[0.3] >= sizes[0.6] >= sizes[1.0]
+
+
+def test_a_confidence_floor_is_checked():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        predictors.make("probe", 1, 8, min_prob=1.5)
+    with pytest.raises(ValueError, match="fitted predictors"):
+        predictors.make("oracle", 1, 8, min_prob=0.5)
+
+
+def test_bit_identical_with_a_confidence_floor(reference, fit_traces):
+    """Prefetching fewer experts changes what is resident, never the logits."""
+    ref = reference("qwen3moe-tiny")
+    spec = MODELS["qwen3moe-tiny"]
+    issued = {}
+    for q in (0.0, 0.2):
+        pred = predictors.make("transition", 1, spec["top_k"], min_prob=q).fit(fit_traces("qwen3moe-tiny"))
+        eng = Engine.load("qwen3moe-tiny", EngineConfig(slots=spec["experts"] // 4), prefetcher=Prefetcher(pred, 1))
+        try:
+            _, records, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"],
+                                        keep_logits=True)
+        finally:
+            eng.close()
+        issued[q] = sum(r["issued"] for r in records)
+        assert max_abs_diff(logits, ref["logits"]) == 0.0
+    assert 0 < issued[0.2] < issued[0.0]
+
+
 def test_fit_and_eval_prompts_are_disjoint():
     for name in prompts.SETS:
         fit, ev = prompts.load(name, "fit"), prompts.load(name, "eval")
