@@ -103,7 +103,7 @@ def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32,
                 r = simulate.replay(ev, S, pred, d)
                 out.append(dict(model=model_id, prompt_set=prompt_set, slots=S, experts=ev.num_experts,
                                 predictor=name, depth=d, precision=q["precision"], recall=q["recall"],
-                                predictions=q["n"], **r))
+                                estimate=q["estimate"], used_share=q["used_share"], predictions=q["n"], **r))
     return out
 
 

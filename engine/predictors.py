@@ -364,17 +364,26 @@ def contexts(trace, depth: int):
 
 
 def quality(pred: Predictor, trace) -> dict:
-    """Mean precision and recall at the predicted set size over a trace."""
-    prec, rec = [], []
+    """Mean precision and recall at the predicted set size over a trace and, for a predictor that
+    estimates probabilities, `estimate`: their mean over the predicted experts, which a calibrated
+    predictor makes equal to the share of them used (micro precision)."""
+    prec, rec, est = [], [], []
+    used = predicted = 0
     current = None
     for s, ctx, actual in contexts(trace, pred.depth):
         if isinstance(pred, Oracle) and current != s.start:
             pred.bind(trace.experts[s])
             current = s.start
-        p = set(pred.predict(ctx).tolist())
+        top = pred.predict(ctx)
+        p = set(top.tolist())
         a = set(actual.tolist())
         hit = len(p & a)
         if p:  # an empty prediction has no precision
             prec.append(hit / len(p))
         rec.append(hit / len(a))
-    return dict(precision=float(np.mean(prec)) if prec else float("nan"), recall=float(np.mean(rec)), n=len(rec))
+        used, predicted = used + hit, predicted + len(p)
+        if hasattr(pred, "prob") and len(top):
+            est.extend(pred.prob(ctx)[top].tolist())
+    nan = float("nan")
+    return dict(precision=float(np.mean(prec)) if prec else nan, recall=float(np.mean(rec)), n=len(rec),
+                estimate=float(np.mean(est)) if est else None, used_share=used / predicted if predicted else nan)

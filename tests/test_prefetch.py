@@ -253,6 +253,21 @@ def test_a_confidence_floor_keeps_only_the_sure_part_of_a_prediction(fit_traces,
     assert sizes[0.0] > sizes[0.3] >= sizes[0.6] >= sizes[1.0]
 
 
+def test_quality_reports_how_sure_a_predictor_was_beside_how_right():
+    """`estimate` (the mean probability a predictor gave what it predicted) equals `used_share` for
+    a calibrated one: popularity scored on the very trace it counted. The oracle estimates nothing."""
+    rng = np.random.default_rng(2)
+    T, L, E, K = 400, 2, 8, 2
+    experts = np.sort(np.stack([rng.choice(E, K, replace=False, p=np.arange(1, E + 1) / 36)
+                                for _ in range(T * L)]).reshape(T, L, K), axis=-1).astype(np.int16)
+    tr = trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=np.zeros((T, L, 4), np.float16),
+                     tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32), decode=np.ones(T, bool), meta={})
+    q = predictors.quality(predictors.make("popularity", 1, K).fit(tr), tr)
+    assert 0.2 < q["used_share"] < 1
+    assert q["estimate"] == pytest.approx(q["used_share"], abs=0.01)
+    assert predictors.quality(predictors.make("oracle", 1, K).bind(experts), tr)["estimate"] is None
+
+
 def test_a_confidence_floor_is_checked():
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         predictors.make("probe", 1, 8, min_prob=1.5)

@@ -89,7 +89,9 @@ def miss_table(recs):
 
 def quality_table(recs):
     keys = MACHINE + ["model", "prompt_set", "slots", "predictor", "depth"]
-    cols = keys + ["precision", "recall", "hit_rate", "issued", "useful", "runs"]
+    # estimate: the predictor's own mean probability for what it predicted, beside used_share (the
+    # share of those used): equal when it is calibrated, what a confidence floor relies on.
+    cols = keys + ["precision", "recall", "estimate", "used_share", "hit_rate", "issued", "useful", "runs"]
     df = latest(online_rows(recs), keys)
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
