@@ -53,9 +53,8 @@ def records_to_mx(block: np.ndarray, tensors, one_array: bool) -> list:
     expert, as the store reads them).
 
     `one_array` (a GPU's path): one MLX array holds the whole block, so one allocation and one
-    host-to-device transfer per batch; on the H200 (`bench install`) 1.61 + 0.73 ms per expert
-    against 2.18 + 1.05 + 0.22 for arrays per tensor. On the CPU the per-tensor arrays are the
-    cheaper ones (0.76 + 0.95 against 0.97 + 1.01 ms per expert, same bench)."""
+    host-to-device transfer per batch. On the CPU the per-tensor arrays are the cheaper ones.
+    `python -m engine bench install` measures both (its `diagnosis_ms`; figures in the README)."""
     n, stride = block.shape
     if one_array:
         flat = mx.array(block.reshape(-1))

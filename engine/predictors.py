@@ -52,9 +52,9 @@ def _top(scores: np.ndarray, m: int, tiebreak: np.ndarray | None = None) -> np.n
     return np.lexsort(key[::-1])[:m]
 
 
-def _sure(top: np.ndarray, prob: np.ndarray, min_prob: float) -> np.ndarray:
-    """The experts of `top` whose estimated probability reaches `min_prob` (order kept)."""
-    return top if min_prob <= 0 else top[prob[top] >= min_prob]
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp overflow is a sigmoid of exactly 0: right
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 class Predictor:
@@ -65,6 +65,13 @@ class Predictor:
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob must lie in [0, 1], not {min_prob}")
         self.depth, self.size, self.min_prob = depth, size, min_prob
+
+    def _sure(self, top: np.ndarray, prob) -> np.ndarray:
+        """The experts of `top` whose estimated probability reaches `min_prob` (order kept).
+        `prob()` gives the estimates; it is called only under a floor, off the plain decode path."""
+        if self.min_prob <= 0:
+            return top
+        return top[prob()[top] >= self.min_prob]
 
     def fit(self, trace):
         return self
@@ -103,7 +110,7 @@ class Popularity(Predictor):
         return c / max(1.0, c.sum() / self.top_k)  # the layer's counts sum to tokens x top_k
 
     def predict(self, ctx):
-        return _sure(_top(self.counts[ctx.target].astype(float), self.size), self.prob(ctx), self.min_prob)
+        return self._sure(_top(self.counts[ctx.target].astype(float), self.size), lambda: self.prob(ctx))
 
     def state(self):
         return {"counts": self.counts, "top_k": np.int64(self.top_k)}
@@ -157,7 +164,7 @@ class Transition(Predictor):
     def predict(self, ctx):
         scores = self.counts[ctx.layer][np.asarray(ctx.experts, np.int64)].sum(0).astype(float)
         top = _top(scores, self.size, self.popularity[ctx.target].astype(float))
-        return _sure(top, self.prob(ctx), self.min_prob)
+        return self._sure(top, lambda: self.prob(ctx))
 
     def state(self):
         return {"counts": self.counts, "popularity": self.popularity, "top_k": np.int64(self.top_k)}
@@ -195,16 +202,11 @@ class Probe(Predictor):
         return x @ self.W[layer] + self.b[layer]
 
     def prob(self, ctx):
-        with np.errstate(over="ignore"):  # exp overflow: a probability of exactly 0
-            return 1.0 / (1.0 + np.exp(-self.scores(ctx.layer, ctx.hidden)))
+        return _sigmoid(self.scores(ctx.layer, ctx.hidden))
 
     def predict(self, ctx):
         scores = self.scores(ctx.layer, ctx.hidden)
-        top = _top(scores, self.size)
-        if self.min_prob <= 0:
-            return top
-        with np.errstate(over="ignore"):
-            return _sure(top, 1.0 / (1.0 + np.exp(-scores)), self.min_prob)
+        return self._sure(_top(scores, self.size), lambda: _sigmoid(scores))
 
     def state(self):
         return {"mean": self.mean, "std": self.std, "W": self.W, "b": self.b}
@@ -238,9 +240,7 @@ def _logistic_numpy(X, Y, steps, lr, l2):
     v = [np.zeros_like(W), np.zeros_like(b)]
     b1, b2, eps = _ADAM
     for t in range(1, steps + 1):
-        with np.errstate(over="ignore"):  # exp overflow is a sigmoid of exactly 0: right
-            p = 1.0 / (1.0 + np.exp(-(X @ W + b)))
-        g = (p - Y) / n
+        g = (_sigmoid(X @ W + b) - Y) / n
         grads = [X.T @ g + l2 * W, g.sum(0)]
         for i, (param, grad) in enumerate(zip((W, b), grads)):
             m[i] = b1 * m[i] + (1 - b1) * grad
