@@ -25,7 +25,13 @@ def add_args(p):
     p.add_argument("--repeats", type=int, default=5, help="interleaved repetitions")
     p.add_argument("--slots", type=int, nargs="*", default=[], help="throughput: also run the engine at these S")
     p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
+    p.add_argument("--installs", nargs="*", default=None, choices=["auto", "inplace", "copy", "pinned"],
+                   help="throughput: install modes to run each --slots at (default: auto)")
+    p.add_argument("--install", default="auto", choices=["auto", "inplace", "copy", "pinned"],
+                   help="prefetch: install mode of every engine")
     p.add_argument("--readers", type=int, nargs="*", default=[1, 4], help="miss: reader-thread counts to measure")
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 8],
+                   help="miss: experts per batch (1: a lone miss, the common case at decode)")
     p.add_argument("--predictors", nargs="*", default=["oracle", "probe", "transition", "popularity", "previous"],
                    help="prefetch: predictors to run beside demand loading")
     p.add_argument("--depths", type=int, nargs="*", default=[1, 2, 3], help="prefetch: depths")
@@ -41,35 +47,55 @@ def _median(xs):
     return statistics.median(xs)
 
 
+def _spread(xs) -> dict:
+    return dict(median=_median(xs), min=min(xs), max=max(xs), n=len(xs))
+
+
 def throughput(a):
+    """Engine at S = E and at each --slots (per --installs) against plain mlx-lm, interleaved:
+    every repetition runs each configuration once, in a rotating order."""
     from . import runtime
 
     mid = a.model or "olmoe-tiny-f32"
     ref, tok, spec = runtime.load_reference(mid)
     engines = {"S=E": runtime.Engine.load(mid, runtime.EngineConfig())}
+    installs = a.installs or ["auto"]
     for s in a.slots:
-        engines[f"S={s}"] = runtime.Engine.load(mid, runtime.EngineConfig(slots=s, tier=a.tier))
+        for inst in installs:
+            key = f"S={s}" if len(installs) == 1 else f"S={s}/{inst}"
+            engines[key] = runtime.Engine.load(mid, runtime.EngineConfig(slots=s, tier=a.tier, install=inst))
     ids = tok.encode("The Python language reference describes the syntax and semantics of the language.")
-    runs = {"mlx-lm": [], **{k: [] for k in engines}}
-    extra = {k: [] for k in engines}
-    runtime.decode(ref, ids, 4)  # warm-up: first-call compilation
-    for e in engines.values():
-        runtime.decode(e.model, ids, 4)
-    for _ in range(a.repeats):
-        runs["mlx-lm"].append(runtime.summarize(runtime.decode(ref, ids, a.tokens)[1])["tok_s"])
-        for k, e in engines.items():
-            s = runtime.summarize(runtime.decode(e.model, ids, a.tokens)[1])
-            runs[k].append(s["tok_s"])
-            extra[k].append(s)
+    models = {"mlx-lm": ref, **{k: e.model for k, e in engines.items()}}
+    runs = {k: [] for k in models}
+    splits = {k: [] for k in models}
+    for m in models.values():  # warm-up: first-call compilation
+        runtime.decode(m, ids, 4)
+    names = list(models)
+    for i in range(a.repeats):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            recs = runtime.decode(models[k], ids, a.tokens)[1]
+            runs[k].append(runtime.summarize(recs)["tok_s"])
+            splits[k].append(runtime.time_split(recs))
+    hit_rate = {k: e.counters()["hits"] / max(1, e.counters()["hits"] + e.counters()["misses"])
+                for k, e in engines.items() if k != "S=E"}
+    installs_used = {k: e.tables[0].install_mode for k, e in engines.items()}
     for e in engines.values():
         e.close()
     res = {k: _median(v) for k, v in runs.items()}
+    split = {k: {p: _median([d[p] for d in v]) for p in v[0]} for k, v in splits.items() if v and v[0]}
     out = dict(bench="throughput", model=mid, tokens=a.tokens, repeats=a.repeats, tok_s=res, tok_s_runs=runs,
+               tok_s_spread={k: _spread(v) for k, v in runs.items()},
                ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"],
-               hit_rate={k: v[-1].get("hit_rate") for k, v in extra.items()})
-    print(f"{mid}: median decode tok/s over {a.repeats} interleaved runs of {a.tokens} tokens")
+               ratio_vs_resident={k: v / res["S=E"] for k, v in res.items()},
+               install=installs_used, hit_rate=hit_rate, time_split_ms=split)
+    print(f"{mid}: median decode tok/s over {a.repeats} interleaved runs of {a.tokens} tokens [min, max]")
     for k, v in res.items():
-        print(f"  {k:8s} {v:9.2f} tok/s")
+        sp = out["tok_s_spread"][k]
+        inst = installs_used.get(k, "")
+        print(f"  {k:14s} {v:9.2f} tok/s [{sp['min']:.2f}, {sp['max']:.2f}]  x{out['ratio_vs_resident'][k]:.3f} "
+              f"of S=E  {inst}")
+        if k in split and k not in ("mlx-lm", "S=E"):
+            print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in split[k].items()))
     print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
     return out
 
@@ -80,42 +106,42 @@ def _expert_batches(num_experts, k, n):
     return [[int(order[(i * k + j) % num_experts]) for j in range(k)] for i in range(n)]
 
 
-class _CupyH2D:
-    """The floor of a GPU miss: `preadv` into pinned host memory, then one `cudaMemcpy` to
-    device memory (CuPy, when it is installed; used only as a measuring stick)."""
+class _PinnedFloor:
+    """The floor of a GPU miss: `preadv` into pinned host memory on the reader threads, then one
+    `cudaMemcpy` of the batch to device memory (the CUDA runtime through ctypes, as the engine's
+    pinned path uses it; no CuPy)."""
 
-    name = "preadv into pinned host memory + cudaMemcpy (CuPy)"
+    name = "preadv into pinned host memory + cudaMemcpy"
 
-    def __init__(self, nbytes):
-        import cupy
+    def __init__(self, store, k, pool):
+        from . import staging
 
-        self.cupy = cupy
-        self._pinned = cupy.cuda.alloc_pinned_memory(nbytes)
-        self.host = np.frombuffer(self._pinned, np.uint8, nbytes)
-        self.dev = cupy.empty(nbytes, cupy.uint8)
-        self.nbytes = nbytes
+        self.rt, self.store, self.pool = staging.runtime(), store, pool
+        self.host = staging.aligned_empty(k * store.record_bytes).reshape(k, store.record_bytes)
+        self.rt.host_register(self.host.ctypes.data, self.host.nbytes)
+        self.dev = self.rt.malloc(self.host.nbytes)
 
-    def copy(self):
-        rt = self.cupy.cuda.runtime
-        rt.memcpy(self.dev.data.ptr, self.host.ctypes.data, self.nbytes, rt.memcpyHostToDevice)
+    def run(self, layer, experts):
+        st = self.store
+        futures = [self.pool.submit(st.read_into, layer, e, [self.host[i, : st.expert_bytes]])
+                   for i, e in enumerate(experts)]
+        for f in futures:
+            f.result()
+        self.rt.memcpy_h2d(self.dev, self.host.ctypes.data, len(experts) * st.record_bytes)
+        self.rt.synchronize()
 
-    def sync(self):
-        self.cupy.cuda.runtime.deviceSynchronize()
-
-
-def _h2d_copier(nbytes):
-    from . import device
-
-    if device.kind() != "gpu":
-        return None
-    try:
-        return _CupyH2D(nbytes)
-    except Exception as exc:  # no CuPy: the ratio to a raw host read alone still stands
-        print(f"  (no host-to-device baseline: {type(exc).__name__}: {exc})", file=sys.stderr)
-        return None
+    def close(self):
+        self.rt.free(self.dev)
+        self.rt.host_unregister(self.host.ctypes.data)
 
 
 def miss(a):
+    """Per-miss cost of every install path against raw reads and the pinned-copy floor, for a lone
+    expert and for batches (`--batch`), each path in turn on fresh experts, interleaved."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import mlx.core as mx
+
     from . import device, registry
     from .moe import ExpertCache
     from .prefetch import NoPrefetch
@@ -125,85 +151,97 @@ def miss(a):
     mid = a.model or "olmoe-1b-7b-shape"
     model, _, spec, path = registry.load(mid, lazy=True)
     stores = {r: open_store(mid, model, path, tier=a.tier, readers=r) for r in a.readers}
-    store = stores[max(a.readers)]
+    R = max(a.readers)
+    store = stores[R]
     del model
-    E, K = store.num_experts(0), 8
-    batches = _expert_batches(E, K, a.repeats * (E // K))
+    E = store.num_experts(0)
     # Checksums are verified on an expert's first read: do it before timing (it warms the
     # page cache too, which is the page_cache tier's premise).
     for s in stores.values():
         s.verify_all(layers=[0])
-    raw_buf = store.empty_record()
     fd = store._fds[0]
-    # Two raw baselines: one reused buffer (cache-hot destination, the floor) and the slot
-    # table's own memory (the same destination footprint as the engine).
-    results = {"raw_preadv": [], "raw_preadv_into_slots": []}
-    h2d = _h2d_copier(store.record_bytes)
-    if h2d:
-        results["raw_preadv_h2d"] = []
-    raw_table = SlotTable(0, E, K, store.tensors)
-    for r in a.readers:
-        results[f"engine_inplace_r{r}"] = []
-    results["engine_copy"] = []
-    split = {"pread": [], "array": [], "install": []}
-    tables = {}
-    for r in a.readers + ["copy"]:
-        t = SlotTable(0, E, K, store.tensors, install="copy" if r == "copy" else "inplace")
-        tables[r] = t
-    for batch in batches:
-        # raw: one preadv per expert into one preallocated buffer, sequentially
-        t0 = time.perf_counter()
-        for e in batch:
-            if a.tier == "cold":
-                os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
-            os.preadv(fd, [raw_buf], e * store.record_bytes)
-        results["raw_preadv"].append((time.perf_counter() - t0) / K)
-        if h2d:
-            t0 = time.perf_counter()
-            for e in batch:
-                if a.tier == "cold":
-                    os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
-                os.preadv(fd, [h2d.host], e * store.record_bytes)
-                h2d.copy()
-            h2d.sync()
-            results["raw_preadv_h2d"].append((time.perf_counter() - t0) / K)
-        t0 = time.perf_counter()
-        for j, e in enumerate(batch):
-            if a.tier == "cold":
-                os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
-            os.preadv(fd, raw_table.dests(j), e * store.record_bytes)
-        results["raw_preadv_into_slots"].append((time.perf_counter() - t0) / K)
-        for r in a.readers + ["copy"]:
-            cache = ExpertCache(stores[max(a.readers) if r == "copy" else r], [tables[r]], NoPrefetch())
-            t0 = time.perf_counter()
-            cache.read_misses(0, batch, protected=set(batch))
-            if r == "copy":
-                import mlx.core as mx
+    raw_buf = store.empty_record()
+    why_not_pinned = device.pinned_unavailable()
+    reader_pool = ThreadPoolExecutor(max_workers=R, thread_name_prefix="titan-bench-reader")
+    modes = [f"inplace_r{r}" for r in a.readers] + ["copy"] + ([] if why_not_pinned else ["pinned"])
+    if why_not_pinned:
+        print(f"  (no pinned path or floor: {why_not_pinned})", file=sys.stderr)
 
-                mx.eval(tables[r].buffers)  # the lazy install, so that its cost is counted here
-            wall = (time.perf_counter() - t0) / K
-            results["engine_copy" if r == "copy" else f"engine_inplace_r{r}"].append(wall)
-            if r == "copy":
-                st = cache.stats
-                split["pread"].append(st.pread_s / K)
-                split["array"].append(st.array_s / K)
-                split["install"].append(wall - (st.stall_s + st.array_s) / K)
+    def drop(e):
+        if a.tier == "cold":
+            os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
+
+    results, split = {}, {}
+    for k in a.batch:
+        rounds = max(1, a.repeats * (E // max(k, 1)) // (1 if k > 1 else 4))
+        batches = _expert_batches(E, k, rounds)
+        floor = None if why_not_pinned else _PinnedFloor(store, k, reader_pool)
+        tables, caches = {}, {}
+        for m in modes:
+            install = "inplace" if m.startswith("inplace") else m
+            S = max(k, 8)
+            tables[m] = SlotTable(0, E, S, store.tensors, install=install)
+            caches[m] = ExpertCache(stores[int(m[9:])] if m.startswith("inplace") else store, [tables[m]], NoPrefetch())
+        res = {n: [] for n in ["raw_preadv", "raw_preadv_into_slots"] + (["floor"] if floor else [])
+               + [f"engine_{m}" for m in modes]}
+        sp = {f"{m}_{p}": [] for m in ("copy", "pinned") if m in modes for p in ("pread", "array", "install")}
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            for e in batch:  # one preadv per expert into one preallocated buffer, sequentially
+                drop(e)
+                os.preadv(fd, [raw_buf], e * store.record_bytes)
+            res["raw_preadv"].append((time.perf_counter() - t0) / k)
+            t0 = time.perf_counter()
+            dests = tables[modes[0]]
+            for j, e in enumerate(batch):
+                drop(e)
+                os.preadv(fd, dests.dests(j % dests.slots), e * store.record_bytes)
+            res["raw_preadv_into_slots"].append((time.perf_counter() - t0) / k)
+            if floor:
+                for e in batch:
+                    drop(e)
+                t0 = time.perf_counter()
+                floor.run(0, batch)
+                res["floor"].append((time.perf_counter() - t0) / k)
+            for m in modes[i % len(modes):] + modes[: i % len(modes)]:  # rotate who goes first
+                cache, t = caches[m], tables[m]  # the store drops a cold record's pages itself
+                cache.stats.reset()
+                t0 = time.perf_counter()
+                cache.read_misses(0, batch, protected=set(batch))
+                if t.install_mode != "inplace":
+                    mx.eval(t.buffers)  # the lazy install, so that its cost is counted here
+                wall = (time.perf_counter() - t0) / k
+                res[f"engine_{m}"].append(wall)
+                if m in ("copy", "pinned"):
+                    st = cache.stats
+                    sp[f"{m}_pread"].append(st.pread_s / k)
+                    sp[f"{m}_array"].append(st.array_s / k)
+                    sp[f"{m}_install"].append(wall - (st.stall_s + st.array_s) / k)
+        for c in caches.values():
+            c.close()
+        if floor:
+            floor.close()
+        for n, v in res.items():
+            results[f"{n}/b{k}"] = 1e3 * _median(v)
+        for n, v in sp.items():
+            split[f"{n}/b{k}"] = 1e3 * _median(v)
+    reader_pool.shutdown()
     for s in stores.values():
         s.close()
-    med = {k: 1e3 * _median(v) for k, v in results.items()}
-    out = dict(bench="miss", model=mid, tier=a.tier, device=device.kind(), expert_bytes=store.expert_bytes, batch=K,
-               batches=len(batches), per_miss_ms=med,
-               copy_split_ms={k: 1e3 * _median(v) for k, v in split.items()},
-               ratio_vs_raw={k: v / med["raw_preadv"] for k, v in med.items()})
-    if h2d:
-        out["h2d_baseline"] = h2d.name
-        out["ratio_vs_raw_h2d"] = {k: v / med["raw_preadv_h2d"] for k, v in med.items()}
-    print(f"{mid}: per-miss cost of one {store.expert_bytes:,}-byte expert, tier {a.tier}, median of {len(batches)} batches of {K}")
-    for k, v in med.items():
-        print(f"  {k:20s} {v:7.3f} ms   x{out['ratio_vs_raw'][k]:.2f} of raw preadv")
-    print("  copy mode split: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out["copy_split_ms"].items()))
-    if h2d:
-        print(f"  against {h2d.name}: " + ", ".join(f"{k} x{v:.2f}" for k, v in out["ratio_vs_raw_h2d"].items()))
+    out = dict(bench="miss", model=mid, tier=a.tier, device=device.kind(), expert_bytes=store.expert_bytes,
+               batches=list(a.batch), repeats=a.repeats, per_miss_ms=results, split_ms=split,
+               ratio_vs_raw={n: v / results[f"raw_preadv/b{n.rsplit('/b', 1)[1]}"] for n, v in results.items()})
+    if not why_not_pinned:
+        out["floor"] = _PinnedFloor.name
+        out["ratio_vs_floor"] = {n: v / results[f"floor/b{n.rsplit('/b', 1)[1]}"] for n, v in results.items()}
+    else:
+        out["pinned_unavailable"] = why_not_pinned
+    print(f"{mid}: per-miss cost of one {store.expert_bytes:,}-byte expert, tier {a.tier}, medians "
+          f"(batches of {', '.join(map(str, a.batch))})")
+    for n, v in results.items():
+        extra = f"   x{out['ratio_vs_floor'][n]:.2f} of the floor" if "ratio_vs_floor" in out else ""
+        print(f"  {n:28s} {v:7.3f} ms   x{out['ratio_vs_raw'][n]:.2f} of raw preadv{extra}")
+    print("  split: " + ", ".join(f"{n} {v:.3f} ms" for n, v in split.items()))
     return out
 
 
@@ -318,60 +356,75 @@ def install(a):
 
 
 def prefetch_bench(a):
-    """Demand loading against every predictor and depth at S = E/4 (or --slots), one run."""
+    """Demand loading against every predictor and depth at S = E/4 (or --slots), with resident
+    decoding (S = E) in the same run. Each prompt is one repetition: every configuration decodes
+    it in turn (rotating who goes first), so figures are medians over prompts with their range."""
     from . import prompts, runtime, trace
+    from .predictors import FITTED
 
     mid = a.model or "olmoe-tiny-f32"
     ref, tok, spec = runtime.load_reference(mid)
     E = spec["experts"]
     S = a.slots[0] if a.slots else E // 4
-    from .predictors import FITTED
-
-    configs = [("none", 0, 0.0)] + [(p, d, q) for p in a.predictors for d in a.depths
-                                     for q in (a.min_probs if p in FITTED else [0.0])]
+    configs = [("resident", 0, 0.0), ("none", 0, 0.0)] + [
+        (p, d, q) for p in a.predictors for d in a.depths for q in (a.min_probs if p in FITTED else [0.0])]
     engines = {
-        c: runtime.Engine.load(mid, runtime.EngineConfig(slots=S, tier=a.tier, predictor=c[0], depth=max(c[1], 1),
-                                                         fit_set=a.set, min_prob=c[2]))
+        c: runtime.Engine.load(mid, runtime.EngineConfig(
+            slots=None if c[0] == "resident" else S, tier=a.tier, install=a.install,
+            predictor="none" if c[0] == "resident" else c[0], depth=max(c[1], 1), fit_set=a.set, min_prob=c[2]))
         for c in configs
     }
     rows = prompts.load(a.set, "eval")[: a.prompts]
-    sums = {c: dict(tokens=0, seconds=0.0, stall=0.0, hits=0, misses=0, issued=0, useful=0, wasted=0, late=0)
-            for c in configs}
-    for p in rows:
+    counts = ("hits", "misses", "issued", "useful", "wasted", "late")
+    per_prompt = {c: [] for c in configs}
+    for i, p in enumerate(rows):
         ids = tok.encode(p["text"])
         sets = trace.record(ref, ids, a.tokens)["experts"]
-        for c, eng in engines.items():
+        for c in configs[i % len(configs):] + configs[: i % len(configs)]:
+            eng = engines[c]
             eng.bind_oracle(sets)
             _, recs, _ = runtime.decode(eng.model, ids, a.tokens)
-            for r in recs[1:]:
-                acc = sums[c]
-                acc["tokens"] += 1
-                acc["seconds"] += r["seconds"]
-                acc["stall"] += r["stall_s"]
-                for k in ("hits", "misses", "issued", "useful", "wasted", "late"):
-                    acc[k] += r[k]
+            dec = recs[1:]
+            one = dict(tokens=len(dec), seconds=sum(r["seconds"] for r in dec), stall=sum(r["stall_s"] for r in dec),
+                       split=runtime.time_split(recs), **{k: sum(r[k] for r in dec) for k in counts})
+            per_prompt[c].append(one)
+    installs = {c: e.tables[0].install_mode for c, e in engines.items()}
     for eng in engines.values():
         eng.close()
     table = {}
-    for (name, d, q), acc in sums.items():
+    for (name, d, q), runs in per_prompt.items():
+        tok_s = [r["tokens"] / r["seconds"] for r in runs]
+        stall = [1e3 * r["stall"] / r["tokens"] for r in runs]
+        tot = {k: sum(r[k] for r in runs) for k in counts}
         table[f"{name}/d{d}" + (f"/p{q:g}" if q else "")] = dict(
-            predictor=name, depth=d, min_prob=q, tok_s=acc["tokens"] / acc["seconds"],
-            stall_ms_per_token=1e3 * acc["stall"] / acc["tokens"],
-            hit_rate=acc["hits"] / (acc["hits"] + acc["misses"]),
-            issued=acc["issued"], useful=acc["useful"], wasted=acc["wasted"], late=acc["late"])
+            predictor=name, depth=d, min_prob=q, install=installs[(name, d, q)],
+            tok_s=_median(tok_s), tok_s_min=min(tok_s), tok_s_max=max(tok_s),
+            stall_ms_per_token=_median(stall), stall_ms_min=min(stall), stall_ms_max=max(stall),
+            hit_rate=tot["hits"] / (tot["hits"] + tot["misses"]) if tot["hits"] + tot["misses"] else None,
+            time_split_ms={k: _median([r["split"][k] for r in runs]) for k in runs[0]["split"]},
+            **{k: tot[k] for k in counts[2:]})
     base = table["none/d0"]["stall_ms_per_token"]
+    resident = table["resident/d0"]["tok_s"]
     for v in table.values():
         v["stall_cut"] = 1 - v["stall_ms_per_token"] / base if base else None
-    fitted = [k for k, v in table.items() if v["predictor"] not in ("none", "oracle")]
+        v["x_resident"] = v["tok_s"] / resident
+        v["stall_x_demand"] = v["stall_ms_per_token"] / base if base else None
+    fitted = [k for k, v in table.items() if v["predictor"] in FITTED]
     best = min(fitted, key=lambda k: table[k]["stall_ms_per_token"]) if fitted else None
     out = dict(bench="prefetch", model=mid, slots=S, experts=E, tier=a.tier, prompt_set=a.set, prompts=len(rows),
-               tokens=a.tokens, results=table, best_fitted=best)
-    print(f"{mid}: S={S}/{E}, tier {a.tier}, {len(rows)} {a.set} eval prompts x {a.tokens} tokens")
-    print(f"  {'predictor/depth':18s} {'tok/s':>8s} {'stall ms/tok':>13s} {'cut':>6s} {'hit':>6s} {'useful':>7s} {'wasted':>7s} {'late':>5s}")
+               tokens=a.tokens, install=a.install, results=table, best_fitted=best)
+    print(f"{mid}: S={S}/{E}, tier {a.tier}, install {a.install}, {len(rows)} {a.set} eval prompts x {a.tokens} "
+          f"tokens (medians over prompts, [min, max])")
+    print(f"  {'predictor/depth':18s} {'tok/s':>22s} {'x res':>6s} {'stall ms/tok':>13s} {'cut':>6s} {'hit':>6s} "
+          f"{'useful':>7s} {'wasted':>7s} {'late':>5s}")
     for k, v in table.items():
         cut = "" if v["stall_cut"] is None else f"{100 * v['stall_cut']:5.1f}%"
-        print(f"  {k:18s} {v['tok_s']:8.2f} {v['stall_ms_per_token']:13.3f} {cut:>6s} {v['hit_rate']:6.3f} "
+        hit = "" if v["hit_rate"] is None else f"{v['hit_rate']:6.3f}"
+        rng = f"{v['tok_s']:7.2f} [{v['tok_s_min']:.1f}, {v['tok_s_max']:.1f}]"
+        print(f"  {k:18s} {rng:>22s} {v['x_resident']:6.3f} {v['stall_ms_per_token']:13.3f} {cut:>6s} {hit:>6s} "
               f"{v['useful']:7d} {v['wasted']:7d} {v['late']:5d}")
+        if v["predictor"] != "resident":
+            print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in v["time_split_ms"].items()))
     if best:
         print(f"  best fitted predictor: {best}")
     return out

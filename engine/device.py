@@ -5,12 +5,17 @@ through a NumPy view (`inplace`), the cheapest install. On an NVIDIA GPU (MLX 0.
 backend) an array computed on the device lives in device memory, and any host view of it
 (the buffer protocol, `np.array(a)`) first moves the whole buffer to CUDA managed memory for
 good; the kernels then read the slot table from managed memory, and every host write into a
-slot migrates its pages back and forth by page faults. So on the GPU the engine installs by
-`copy` (a NumPy record, `mx.array`, `buffer[slot] = array` on the device) and never takes a
-host view of a slot table. `bench install` measures both on either backend.
+slot migrates its pages back and forth by page faults. So on the GPU the engine never takes a
+host view of a slot table: it installs through pinned staging records and a copy kernel
+(`pinned`, engine.staging), or, where that cannot run, by `copy` (a NumPy record, `mx.array`,
+`buffer[slot] = array` on the device). `bench install` and `bench miss` measure them.
 """
 
+import sys
+
 import mlx.core as mx
+
+_SAID = set()
 
 
 def kind() -> str:
@@ -18,9 +23,18 @@ def kind() -> str:
     return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
 
 
+def pinned_unavailable() -> str | None:
+    """Why the pinned install path cannot run here (None: it can)."""
+    from . import staging
+
+    return staging.unavailable_reason()
+
+
 def default_install(device_kind: str | None = None) -> str:
     """The install mode `auto` resolves to on this device."""
-    return "copy" if (device_kind or kind()) == "gpu" else "inplace"
+    if (device_kind or kind()) != "gpu":
+        return "inplace"
+    return "copy" if pinned_unavailable() else "pinned"
 
 
 def one_array(device_kind: str | None = None) -> bool:
@@ -28,7 +42,26 @@ def one_array(device_kind: str | None = None) -> bool:
     return (device_kind or kind()) == "gpu"
 
 
+def _say(msg: str):
+    if msg not in _SAID:
+        _SAID.add(msg)
+        print(f"[titan] {msg}", file=sys.stderr, flush=True)
+
+
 def resolve_install(mode: str, device_kind: str | None = None) -> str:
+    """The install mode that runs: `auto` per device; `pinned` where it cannot run says why and
+    falls back to what `auto` would pick without it."""
     if mode == "auto":
-        return default_install(device_kind)
+        chosen = default_install(device_kind)
+        if (device_kind or kind()) == "gpu" and chosen == "copy":
+            _say(f"install auto: copy, since the pinned path cannot run: {pinned_unavailable()}")
+        return chosen
+    if mode == "pinned":
+        if (device_kind or kind()) != "gpu":
+            _say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")
+            return "inplace"
+        why = pinned_unavailable()
+        if why:
+            _say(f"install pinned cannot run: {why}; using copy")
+            return "copy"
     return mode

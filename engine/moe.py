@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import device
+from . import device, staging
 from .slots import mx_dtype
 from .store import NP_DTYPES, PARTS, PROJ
 
@@ -36,6 +36,7 @@ class StepStats:
     late: int = 0  # useful prefetches still in flight when needed
     cancelled: int = 0  # wasted prefetches cancelled before their read began
     late_stall_s: float = 0.0  # the part of stall_s spent waiting on prefetches
+    sync_s: float = 0.0  # waiting at the host synchronisations for the device (its compute included)
 
     def reset(self):
         self.__init__()
@@ -83,7 +84,7 @@ class ExpertCache:
     token's hits, misses, bytes and stall in `stats`.
     """
 
-    def __init__(self, store, tables, prefetcher, sync="batched"):
+    def __init__(self, store, tables, prefetcher, sync="batched", staging_records=64):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         self.sync = sync
@@ -94,6 +95,10 @@ class ExpertCache:
         self.position, self.rows = 0, 1
         self.history = [None] * len(tables)  # per layer, the most recent token's experts
         self.one_array = device.one_array()  # how copy mode makes arrays (records_to_mx)
+        self.staging = None
+        if any(t.install_mode == "pinned" for t in tables):
+            self.staging = staging.StagingPool(staging_records, store.record_bytes, store.tensors,
+                                               staging.make_memory(staging_records, store.record_bytes, store.tensors))
 
     def begin_step(self, position: int, rows: int):
         """A model call over `rows` tokens starting at sequence `position` begins."""
@@ -109,6 +114,9 @@ class ExpertCache:
             futures = [self.store.submit(layer, e, table.dests(e)) for e in range(table.num_experts)]
             for f in futures:
                 f.result()
+        elif table.install_mode == "pinned":
+            self.read_staged(layer, list(range(table.num_experts)), list(range(table.num_experts)))
+            mx.eval(table.buffers)
         else:
             batch = 8  # bounds the host records held at once
             for first in range(0, table.num_experts, batch):
@@ -163,6 +171,10 @@ class ExpertCache:
                 futures = [store.submit(layer, e, table.dests(s)) for e, s in zip(misses, slots)]
                 seconds = [f.result() for f in futures]
                 t2 = t3 = time.perf_counter()
+            elif table.install_mode == "pinned":
+                seconds, wait_s, copy_s = self.read_staged(layer, misses, slots)
+                t2 = t1 + wait_s
+                t3 = t2 + copy_s
             else:
                 block, seconds = store.read_block(layer, misses)
                 t2 = time.perf_counter()
@@ -186,6 +198,38 @@ class ExpertCache:
         st.pread_s += sum(seconds)
         st.array_s += t3 - t2
         st.install_s += (t1 - t0) + (t4 - t3)
+
+    def read_staged(self, layer: int, experts, slots):
+        """Pinned mode: read `experts` into staging records on the reader threads and install them
+        into `slots`, one copy kernel and one scatter per tensor for each batch of up to
+        `staging.BATCH` (all lazily: nothing here waits for the device). Returns the read
+        seconds, the time spent waiting for reads and the time spent enqueueing copies."""
+        table, store, pool = self.tables[layer], self.store, self.staging
+        seconds, wait_s, copy_s = [], 0.0, 0.0
+        for lo in range(0, len(experts), pool.window):
+            exps, sls = experts[lo: lo + pool.window], slots[lo: lo + pool.window]
+            t0 = time.perf_counter()
+            recs = pool.acquire(len(exps))
+            futures = [store.submit(layer, e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
+            try:
+                seconds += [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel() or f.exception()
+                pool.discard(recs)
+                raise
+            t1 = time.perf_counter()
+            for b in range(0, len(recs), staging.BATCH):
+                table.install_batch(sls[b: b + staging.BATCH], pool.copy(recs[b: b + staging.BATCH]))
+            wait_s += t1 - t0
+            copy_s += time.perf_counter() - t1
+        return seconds, wait_s, copy_s
+
+    def close(self):
+        self.prefetcher.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
 
 def row_chunks(indices: np.ndarray, slots: int):
@@ -219,7 +263,9 @@ class SlotSwitchGLU(nn.Module):
         if table.full:
             # line 9: slot e holds expert e; straight to the kernels, no host synchronisation
             return self.glu(x, indices)
+        t0 = time.perf_counter()
         idx = np.array(indices)  # line 11: the one unavoidable synchronisation
+        self._cache.stats.sync_s += time.perf_counter() - t0
         k, d = idx.shape[-1], x.shape[-1]
         flat = idx.reshape(-1, k)
         groups = row_chunks(flat, table.slots)

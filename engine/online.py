@@ -8,7 +8,7 @@ from . import predictors, prompts, simulate, trace
 from .runtime import Engine, EngineConfig, decode, get_predictor, load_reference
 
 FIELDS = ("hits", "misses", "bytes_read", "stall_s", "pread_s", "array_s", "install_s",
-          "issued", "useful", "wasted", "late", "late_stall_s")
+          "issued", "useful", "wasted", "late", "late_stall_s", "sync_s")
 
 
 def accumulate(acc, records):
@@ -34,6 +34,7 @@ def summarize(acc) -> dict:
     res = dict(tokens=n, seconds=acc["seconds"], tok_s=n / acc["seconds"],
                stall_ms_per_token=1e3 * acc["stall_s"] / n,
                late_stall_ms_per_token=1e3 * acc["late_stall_s"] / n,
+               sync_ms_per_token=1e3 * acc["sync_s"] / n,
                bytes_read_per_token=acc["bytes_read"] / n)
     total = acc["hits"] + acc["misses"]
     res["hit_rate"] = acc["hits"] / total if total else None

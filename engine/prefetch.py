@@ -7,8 +7,12 @@ are read and its kernels are dispatched, so the reads overlap the next d layers'
 
 In the `inplace` install mode an issued expert claims its slot at once and its read lands
 there; nothing else touches that table until the target layer drains it. In the `copy` mode
-the read lands in a record and is installed at the drain. A read that failed is raised in the
-decode thread at the drain, never swallowed, never a hang.
+the read lands in a record and is installed at the drain. In the `pinned` mode it lands in a
+staging record, and the drain installs every finished prefetch of the layer with one copy
+kernel and one scatter per tensor, enqueued without waiting for the device; a wasted read still
+running is left to finish on its own (its record is freed when it has) instead of being waited
+for. A read that failed is raised in the decode thread at the drain, never swallowed, never a
+hang.
 """
 
 import time
@@ -37,9 +41,10 @@ class NoPrefetch:
 @dataclass
 class Flight:
     expert: int
-    slot: int  # -1 in copy mode, where the slot is claimed at the drain
+    slot: int  # -1 in copy and pinned modes, where the slot is claimed at the drain
     future: object
-    record: np.ndarray | None
+    record: np.ndarray | None  # copy mode's host record
+    staged: int = -1  # pinned mode's staging record
 
 
 class Prefetcher:
@@ -58,15 +63,25 @@ class Prefetcher:
             return
         table, st, store = cache.tables[layer], cache.stats, cache.store
         need = set(experts.tolist())
-        failed = None
+        pinned = table.install_mode == "pinned"
+        failed, staged = None, []
         for f in flights.values():
             useful = f.expert in need
             if not f.future.done():
                 if not useful and f.future.cancel():
                     if f.slot >= 0:
                         table.release(f.expert)
+                    if pinned:
+                        cache.staging.discard([f.staged])
                     st.cancelled += 1
                     st.wasted += 1
+                    continue
+                if not useful and pinned:
+                    # Its bytes land in a staging record nothing reads: no reason to wait.
+                    cache.staging.abandon(f.staged, f.future)
+                    st.wasted += 1
+                    table.bytes_read += store.expert_bytes
+                    st.bytes_read += store.expert_bytes
                     continue
                 # A late expert we need, or a wasted read already writing its slot.
                 t0 = time.perf_counter()
@@ -79,15 +94,33 @@ class Prefetcher:
                 failed = failed or f.future.exception()
                 if f.slot >= 0:
                     table.release(f.expert)
+                if pinned:
+                    cache.staging.discard([f.staged])
                 continue
-            if f.slot < 0:
+            if pinned:
+                staged.append(f)
+            elif f.slot < 0:
                 self._install_record(table, f, need, cache)
             st.useful += useful
             st.wasted += not useful
             table.bytes_read += store.expert_bytes
             st.bytes_read += store.expert_bytes
+        if staged:
+            self._install_staged(table, staged, need, cache)
         if failed is not None:
             raise failed
+
+    def _install_staged(self, table, flights, need, cache):
+        """Pinned mode: the layer's finished prefetches, installed together (staging.BATCH per kernel)."""
+        from .staging import BATCH
+
+        t0 = time.perf_counter()
+        slots = [table.claim(f.expert, protected=need) for f in flights]
+        t1 = time.perf_counter()
+        for b in range(0, len(flights), BATCH):
+            table.install_batch(slots[b: b + BATCH], cache.staging.copy([f.staged for f in flights[b: b + BATCH]]))
+        cache.stats.array_s += time.perf_counter() - t1
+        cache.stats.install_s += t1 - t0
 
     def _install_record(self, table, f, need, cache):
         from .moe import records_to_mx
@@ -124,16 +157,23 @@ class Prefetcher:
         for e in predicted:
             if e in flights or table.resident(e):
                 continue
+            staged = -1
             if table.install_mode == "inplace":
                 try:
                     slot = table.claim(e, protected)
                 except RuntimeError:
                     break  # every slot holds a protected expert: issue no more
                 future, record = store.submit(target, e, table.dests(slot), prefetch=True), None
+            elif table.install_mode == "pinned":
+                pool = cache.staging
+                if pool.available() <= pool.window:
+                    break  # the rest of the pool is kept for demand reads
+                slot, record, staged = -1, None, pool.acquire(1)[0]
+                future = store.submit(target, e, [pool.view(staged)[: store.expert_bytes]], prefetch=True)
             else:
                 slot, record = -1, store.empty_record()
                 future = store.submit(target, e, [record], prefetch=True)
-            flights[e] = Flight(e, slot, future, record)
+            flights[e] = Flight(e, slot, future, record, staged)
             st.issued += 1
 
     def close(self):

@@ -32,6 +32,7 @@ class EngineConfig:
     min_prob: float = 0.0  # fitted predictors issue only experts at least this likely (0: all predicted)
     fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
     trace_tokens: int = 32  # decode tokens per prompt in those traces
+    staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
 
 
 def store_dir(model_id: str) -> Path:
@@ -74,7 +75,8 @@ class Engine:
             SlotTable(o, num_experts, slots, self.store.tensors, config.eviction, install)
             for o in range(len(blocks))
         ]
-        self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch(), config.sync)
+        self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch(), config.sync,
+                                 config.staging_records)
         for o, (li, glu) in enumerate(blocks):
             model.layers[li].mlp.switch_mlp = SlotSwitchGLU(glu, self.tables[o], self.cache, o)
             if self.tables[o].full:
@@ -108,7 +110,7 @@ class Engine:
         return total
 
     def close(self):
-        self.cache.prefetcher.close()
+        self.cache.close()
         self.store.close()
 
 
@@ -231,6 +233,24 @@ def summarize(records) -> dict:
     if misses:
         for k in ("pread_s", "array_s", "install_s", "stall_s"):
             out[f"per_miss_{k[:-2]}_ms"] = 1e3 * sum(r[k] for r in dec) / misses
+    return out
+
+
+SPLIT = ("sync_s", "stall_s", "array_s", "install_s")
+
+
+def time_split(records) -> dict:
+    """Where a decode token's time goes, in ms per token: waiting at the host synchronisations
+    (the device's compute up to each MoE layer, and the synchronisation itself), waiting for reads,
+    making arrays or enqueueing copy kernels, installs, and the rest (the host building the graph)."""
+    dec = [r for r in records if r["phase"] == "decode"]
+    if not dec:
+        return {}
+    n = len(dec)
+    out = {k[:-2]: 1e3 * sum(r.get(k, 0.0) for r in dec) / n for k in SPLIT}
+    total = 1e3 * sum(r["seconds"] for r in dec) / n
+    out["other"] = total - sum(out.values())
+    out["total"] = total
     return out
 
 

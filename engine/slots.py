@@ -10,13 +10,16 @@ Two install modes:
   work reads this layer's buffers.
 - `copy`: the paper's path: the read lands in a NumPy record, the consuming thread creates
   MLX arrays and writes them with `buffer[slot] = array`, lazily (MLX reuses the buffer).
+- `pinned` (a CUDA GPU's default): the read lands in a pinned staging record, one copy kernel
+  moves a batch of records to the device and each buffer takes the batch with one scatter
+  (`install_batch`; engine.staging).
 """
 
 from collections import OrderedDict
 
 import numpy as np
 
-INSTALL_MODES = ("inplace", "copy")  # `auto` (engine option) picks one per device: engine.device
+INSTALL_MODES = ("inplace", "copy", "pinned")  # `auto` (engine option) picks one per device: engine.device
 
 
 class LRU:
@@ -203,10 +206,21 @@ class SlotTable:
 
     def install_arrays(self, slot: int, arrays):
         """Copy mode: write MLX arrays (made in this thread) into a slot, lazily."""
-        if self.install_mode != "copy":
+        if self._rows is not None:
             raise RuntimeError(f"MoE layer {self.layer}: install_arrays on an {self.install_mode}-mode table")
         for buf, a in zip(self.buffers, arrays):
             buf[slot] = a
+
+    def install_batch(self, slots, stacked):
+        """Write a batch of experts, one stacked (n, *shape) array per tensor, into `slots`:
+        one scatter per tensor, lazily (MLX donates the buffer, so the write is in place)."""
+        if self._rows is not None:
+            raise RuntimeError(f"MoE layer {self.layer}: install_batch on an {self.install_mode}-mode table")
+        import mlx.core as mx
+
+        idx = mx.array(np.asarray(slots, np.uint8 if self.slots <= 256 else np.uint32))
+        for buf, a in zip(self.buffers, stacked):
+            buf[idx] = a
 
     def slot_indices(self, indices: np.ndarray) -> np.ndarray:
         """The router's expert indices remapped to slots; every expert must be resident."""

@@ -1,38 +1,48 @@
 #!/usr/bin/env bash
-# How the committed GPU results were made: on a Linux machine with one NVIDIA GPU whose Python
-# has MLX's CUDA backend importable (here the H200 of the development `device` tool, where
-# mlx[cuda13], mlx-lm and Snakemake's wheels were carried into /tmp/site). On your own GPU
-# machine, install as README's "On an NVIDIA GPU" says and run the same commands.
+# How the committed GPU results are made: on a Linux machine with one NVIDIA GPU whose Python has
+# MLX's CUDA backend importable (here the H200 of the development `device` tool, where mlx[cuda13]
+# and mlx-lm were carried into /tmp/site). On your own GPU machine, install as docs/gpu.md says and
+# run the same steps.
 #
-# Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR
-#   writes OUTDIR/raw.tgz with every new raw file after each step. Measured on the H200: the
-#   benches take ~4 min with the model and store builds, the exactness tests ~5.5 min, the gpu
-#   profile's trained-model half of gate C ~3 min; of the full-size half, the general prompts
-#   with their fits ~11 min and the sync ablation ~2.5 min (builds and traces ~5.5 min more).
+# Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
+#   steps: tests (the pinned path's and the exactness tests), build (the full-size model and its
+#   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
+#   confidence floor), install, gate_c (the gpu profile's gate C; needs Snakemake)
+# Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
+# untracked files between calls) and OUTDIR/log.txt.
 set -uo pipefail
-out=${1:?usage: scripts/device_gpu.sh OUTDIR}
+out=${1:?usage: scripts/device_gpu.sh OUTDIR STEP...}
+shift
 mkdir -p "$out"
 py=${PYTHON:-python3}
-marker=$(mktemp)
+marker=${MARKER:-$(mktemp)}
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 collect() {
-  # Copied out after every step: the development device re-syncs the tree at each call and
-  # drops untracked files, new raw logs included (lost once, 2026-11-30).
   find results/raw -type f -newer "$marker" | sort > "$out/new-raw.txt"
   tar czf "$out/raw.tgz" -T "$out/new-raw.txt" 2>/dev/null
   log "collected $(wc -l < "$out/new-raw.txt") raw files"
 }
-step() {  # a failed step is logged and the next one still runs
+run() {  # a failed step is logged and the next one still runs
   log "$*"
   "$@" || log "FAILED ($?): $*"
   collect
 }
+full=olmoe-1b-7b-shape
 log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-step $py -m engine bench install --record --repeats 3
-step $py -m engine bench throughput --model olmoe-1b-7b-shape --tokens 32 --repeats 3 --slots 16 --record
-step $py -m engine bench miss --repeats 2 --readers 1 4 --record
-step $py -m engine bench prefetch --model olmoe-1b-7b-shape --slots 16 --predictors oracle probe transition \
-  --depths 1 --prompts 2 --tokens 16 --record
-step $py -m snakemake --profile profiles/gpu --scheduler greedy gate_b gate_c
-step $py -m pytest -q -x tests/test_exactness.py -p no:cacheprovider
+for step in "$@"; do
+  case $step in
+    tests) run $py -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_exactness.py ;;
+    build) run $py -m engine store build $full ;;
+    miss) run $py -m engine bench miss --repeats 3 --readers 1 4 --batch 1 8 --record ;;
+    throughput) run $py -m engine bench throughput --model $full --tokens 32 --repeats 7 --slots 16 32 \
+                  --installs pinned copy --record ;;
+    prefetch) run $py -m engine bench prefetch --model $full --slots 16 --install pinned --predictors oracle \
+                --depths 1 2 3 --prompts 5 --tokens 32 --record ;;
+    fitted) run $py -m engine bench prefetch --model $full --slots 16 --install pinned \
+              --predictors probe transition popularity --depths 1 2 --min-probs 0 0.25 --prompts 3 --tokens 32 --record ;;
+    install) run $py -m engine bench install --record --repeats 3 ;;
+    gate_c) run $py -m snakemake --profile profiles/gpu --scheduler greedy gate_c ;;
+    *) log "unknown step $step" ;;
+  esac
+done
