@@ -27,6 +27,9 @@ def add_args(p):
     p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
     p.add_argument("--installs", nargs="*", default=None, choices=["auto", "inplace", "copy", "pinned"],
                    help="throughput: install modes to run each --slots at (default: auto)")
+    p.add_argument("--overlap", choices=["on", "off", "both"], default="on",
+                   help="throughput: start each MoE layer's compute at once (on), only at the next sync "
+                        "(off, suffix /serial), or run both")
     p.add_argument("--install", default="auto", choices=["auto", "inplace", "copy", "pinned"],
                    help="prefetch: install mode of every engine")
     p.add_argument("--readers", type=int, nargs="*", default=[1, 4], help="miss: reader-thread counts to measure")
@@ -60,10 +63,13 @@ def throughput(a):
     ref, tok, spec = runtime.load_reference(mid)
     engines = {"S=E": runtime.Engine.load(mid, runtime.EngineConfig())}
     installs = a.installs or ["auto"]
+    overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for s in a.slots:
         for inst in installs:
-            key = f"S={s}" if len(installs) == 1 else f"S={s}/{inst}"
-            engines[key] = runtime.Engine.load(mid, runtime.EngineConfig(slots=s, tier=a.tier, install=inst))
+            for ov in overlaps:
+                key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("" if ov else "/serial")
+                engines[key] = runtime.Engine.load(mid, runtime.EngineConfig(slots=s, tier=a.tier, install=inst,
+                                                                             overlap=ov))
     ids = tok.encode("The Python language reference describes the syntax and semantics of the language.")
     models = {"mlx-lm": ref, **{k: e.model for k, e in engines.items()}}
     runs = {k: [] for k in models}

@@ -84,10 +84,11 @@ class ExpertCache:
     token's hits, misses, bytes and stall in `stats`.
     """
 
-    def __init__(self, store, tables, prefetcher, sync="batched", staging_records=64):
+    def __init__(self, store, tables, prefetcher, sync="batched", staging_records=64, overlap=True):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         self.sync = sync
+        self.overlap = overlap
         self.store = store
         self.tables = tables
         self.prefetcher = prefetcher
@@ -210,12 +211,18 @@ class ExpertCache:
             exps, sls = experts[lo: lo + pool.window], slots[lo: lo + pool.window]
             t0 = time.perf_counter()
             recs = pool.acquire(len(exps))
-            futures = [store.submit(layer, e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
             try:
-                seconds += [f.result() for f in futures]
+                if len(exps) == 1:  # a lone miss (the common case at decode): no thread hand-off
+                    seconds.append(store.read_into(layer, exps[0], [pool.view(recs[0])[: store.expert_bytes]]))
+                else:
+                    futures = [store.submit(layer, e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
+                    try:
+                        seconds += [f.result() for f in futures]
+                    except BaseException:
+                        for f in futures:
+                            f.cancel() or f.exception()
+                        raise
             except BaseException:
-                for f in futures:
-                    f.cancel() or f.exception()
                 pool.discard(recs)
                 raise
             t1 = time.perf_counter()
@@ -272,7 +279,12 @@ class SlotSwitchGLU(nn.Module):
         if len(groups) == 1:
             self._cache.ensure(self._layer, np.unique(flat), x, np.sort(flat[-1]))
             # lines 15-16: same kernel, same bytes as mlx-lm
-            return self.glu(x, mx.array(table.slot_indices(idx)))
+            y = self.glu(x, mx.array(table.slot_indices(idx)))
+            if self._cache.overlap:
+                # Start the device on this layer now: the host builds the next layer's graph
+                # meanwhile, instead of the two taking turns at every synchronisation.
+                mx.async_eval(y)
+            return y
         # More experts than slots among these rows (a long prefill on a small table): each
         # group runs on its own and is evaluated before the next one reuses the slots.
         xf = x.reshape(-1, d)

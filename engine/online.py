@@ -73,7 +73,8 @@ def sweep(model_id, tier, prompt_set, slots, predictor_names, depths, n_prompts,
             if eng is not None:
                 eng.close()
         res = dict(model=model_id, tier=tier, prompt_set=prompt_set, slots=S, experts=E,
-                   predictor=name, depth=depth, prompts=len(rows), **summarize(acc))
+                   predictor=name, depth=depth, prompts=len(rows),
+                   install=None if eng is None else eng.tables[0].install_mode, **summarize(acc))
         results.append(res)
         if progress:
             progress(res)

@@ -33,6 +33,7 @@ class EngineConfig:
     fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
     trace_tokens: int = 32  # decode tokens per prompt in those traces
     staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
+    overlap: bool = True  # start each MoE layer's compute at once (async) rather than at the next sync
 
 
 def store_dir(model_id: str) -> Path:
@@ -76,7 +77,7 @@ class Engine:
             for o in range(len(blocks))
         ]
         self.cache = ExpertCache(self.store, self.tables, prefetcher or NoPrefetch(), config.sync,
-                                 config.staging_records)
+                                 config.staging_records, config.overlap)
         for o, (li, glu) in enumerate(blocks):
             model.layers[li].mlp.switch_mlp = SlotSwitchGLU(glu, self.tables[o], self.cache, o)
             if self.tables[o].full:

@@ -228,7 +228,9 @@ class SlotTable:
         if (slots < 0).any():
             missing = sorted(set(indices[slots < 0].tolist()))
             raise RuntimeError(f"MoE layer {self.layer}: experts {missing} are not resident")
-        return slots.astype(np.uint32)
+        # 8-bit where it fits: a decode step's K indices then take 8 bytes, which MLX's CUDA
+        # allocator serves from its small pool, read by the device in place, not from managed memory
+        return slots.astype(np.uint8 if self.slots <= 256 else np.uint32)
 
     def counters(self) -> dict:
         return dict(hits=self.hits, misses=self.misses, evictions=self.evictions, bytes_read=self.bytes_read)
