@@ -34,13 +34,13 @@ for step in "$@"; do
   case $step in
     tests) run $py -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_exactness.py ;;
     build) run $py -m engine store build $full ;;
-    miss) run $py -m engine bench miss --repeats 3 --readers 1 4 --batch 1 8 --record ;;
+    miss) run $py -m engine bench miss --repeats 2 --readers 4 --batch 1 8 --record ;;
     throughput) run $py -m engine bench throughput --model $full --tokens 32 --repeats 7 --slots 16 32 \
-                  --installs pinned copy --record ;;
+                  --installs pinned copy --overlap both --record ;;
     prefetch) run $py -m engine bench prefetch --model $full --slots 16 --install pinned --predictors oracle \
                 --depths 1 2 3 --prompts 5 --tokens 32 --record ;;
     fitted) run $py -m engine bench prefetch --model $full --slots 16 --install pinned \
-              --predictors probe transition popularity --depths 1 2 --min-probs 0 0.25 --prompts 3 --tokens 32 --record ;;
+              --predictors probe transition popularity --depths 1 --min-probs 0 0.25 --prompts 3 --tokens 32 --record ;;
     install) run $py -m engine bench install --record --repeats 3 ;;
     gate_c) run $py -m snakemake --profile profiles/gpu --scheduler greedy gate_c ;;
     *) log "unknown step $step" ;;
