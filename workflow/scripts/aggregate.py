@@ -174,12 +174,17 @@ def bench_table(recs):
         figs = {}
         if base["bench"] == "throughput":
             figs = {f"tok_s[{k}]": v for k, v in res["tok_s"].items()}
+            for k, sp in res.get("tok_s_spread", {}).items():
+                figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = sp["min"], sp["max"]
+            figs.update({f"x resident[{k}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
             figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
         elif base["bench"] == "miss":
             figs = {f"per_miss_ms[{k}]": v for k, v in res["per_miss_ms"].items()}
-            figs.update({f"copy_split_ms[{k}]": v for k, v in res["copy_split_ms"].items()})
+            figs.update({f"copy_split_ms[{k}]": v for k, v in res.get("copy_split_ms", {}).items()})
+            figs.update({f"split_ms[{k}]": v for k, v in res.get("split_ms", {}).items()})
             figs.update({f"x raw_preadv[{k}]": v for k, v in res["ratio_vs_raw"].items()})
             figs.update({f"x raw_preadv_h2d[{k}]": v for k, v in res.get("ratio_vs_raw_h2d", {}).items()})
+            figs.update({f"x pinned floor[{k}]": v for k, v in res.get("ratio_vs_floor", {}).items()})
             base["tier"] = res["tier"]
         elif base["bench"] == "install":
             figs = {f"install_ms[{k}]": v for k, v in res["install_ms"].items()}
@@ -189,8 +194,11 @@ def bench_table(recs):
             base["tier"], base["slots"] = res["tier"], res["slots"]
             base["prompt_set"] = res["prompt_set"]
             for k, v in res["results"].items():
+                k = k if "install" not in res else f"{k}/{v['install']}"
                 figs[f"tok_s[{k}]"] = v["tok_s"]
                 figs[f"stall_ms_per_token[{k}]"] = v["stall_ms_per_token"]
+                if "tok_s_min" in v:
+                    figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
     keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "figure"]
