@@ -15,6 +15,8 @@ import sys
 
 import mlx.core as mx
 
+from .runtime import staging
+
 _SAID = set()
 
 
@@ -25,8 +27,6 @@ def kind() -> str:
 
 def pinned_unavailable() -> str | None:
     """Why the pinned install path cannot run here (None: it can)."""
-    from . import staging
-
     return staging.unavailable_reason()
 
 

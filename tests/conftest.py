@@ -1,18 +1,31 @@
-import os
+"""Shared by the suite: the embedded models it runs, the mlx-lm reference it compares with, and
+helpers to decode through the engine. GPU-only and CPU-only tests carry `gpu_only`/`cpu_only`."""
 
+import os
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from engine import EngineConfig, device, load  # noqa: E402
+from engine.models.registry import load_reference  # noqa: E402
+from engine.predict import predictors, prompts, trace  # noqa: E402
+from engine.runtime.loop import decode  # noqa: E402
+from engine.runtime.prefetch import Prefetcher  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
 MODELS = {"olmoe-tiny": dict(experts=64, top_k=8), "qwen3moe-tiny": dict(experts=128, top_k=8)}
+ON_GPU = device.kind() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-only: needs MLX computing on a GPU")
+cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU-only: checks what the CPU backend does")
 
 
 @pytest.fixture(scope="session")
 def reference():
     """Per model: the unmodified mlx-lm model's greedy tokens and logits over PROMPT."""
-    from engine.runtime import decode, load_reference
-
     cache = {}
 
     def get(model_id, steps=32):
@@ -25,3 +38,59 @@ def reference():
         return cache[key]
 
     return get
+
+
+def run_engine(model_id, ref, **cfg):
+    """Decode the reference's tokens through the engine (teacher-forced): records, logits, counters."""
+    eng = load(model_id, EngineConfig(**cfg))
+    try:
+        _, records, logits = decode(
+            eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True
+        )
+        return records, logits, eng.counters()
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="session")
+def fit_traces():
+    """Per model, a small in-memory trace of three fit prompts (8 decode tokens each)."""
+    cache = {}
+
+    def get(model_id):
+        if model_id not in cache:
+            model, tok, _ = load_reference(model_id)
+            parts = []
+            for i, p in enumerate(prompts.load("code", "fit")[:3]):
+                r = trace.record(model, tok.encode(p["text"]), 8)
+                r["prompt"] = np.full(len(r["tokens"]), i, np.int32)
+                parts.append(r)
+            cat = {
+                k: np.concatenate([p[k] for p in parts])
+                for k in ("experts", "probs", "hidden", "tokens", "prompt", "decode")
+            }
+            cache[model_id] = trace.Trace(meta={"model": model_id}, **cat)
+        return cache[model_id]
+
+    return get
+
+
+def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace"):
+    """Decode the reference's tokens with predictor `name` fitted on `fit`, prefetching at `depth`."""
+    spec = MODELS[model_id]
+    pred = predictors.make(name, depth, spec["top_k"]).fit(fit)
+    eng = load(
+        model_id,
+        EngineConfig(slots=slots or spec["experts"] // 4, eviction=eviction, install=install),
+        prefetcher=Prefetcher(pred, depth) if name != "none" else None,
+    )
+    try:
+        if name == "oracle":
+            model, _, _ = load_reference(model_id)
+            eng.bind_oracle(trace.record(model, ref["ids"], len(ref["tokens"]) - 1)["experts"])
+        _, records, logits = decode(
+            eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True
+        )
+        return records, logits
+    finally:
+        eng.close()

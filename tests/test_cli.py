@@ -1,16 +1,15 @@
-"""The command line, as a user runs it."""
+"""The command lines, as a user runs them: `python -m engine` (the library) and `python -m
+harness` (the experiments). Every bad option is refused by name before anything loads."""
 
 import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
-from engine import registry
 
-
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
-                          cwd=registry.REPO_ROOT, timeout=600)
+def run(*args, module="engine", cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, timeout=600)
 
 
 def test_decode_prints_text_and_tok_s():
@@ -28,10 +27,65 @@ def test_decode_cold_tier():
     assert "tier=cold" in r.stdout and "tok/s" in r.stdout
 
 
-@pytest.mark.parametrize("sub", ["", "list", "build", "pin", "store", "decode", "bench"])
+def test_decode_zero_tokens_is_a_prefill():
+    r = run("decode", "--model", "qwen3moe-tiny", "--slots", "32", "--tokens", "0")
+    assert r.returncode == 0, r.stderr
+    assert "prefill only" in r.stdout
+
+
+@pytest.mark.parametrize("sub", ["", "list", "build", "pin", "store", "decode", "trace", "fit", "train", "version"])
 def test_help(sub):
     r = run(*([sub] if sub else []), "--help")
     assert r.returncode == 0 and "usage" in r.stdout
+
+
+@pytest.mark.parametrize("sub", ["", "bench", "train", "probe"])
+def test_harness_help(sub):
+    r = run(*([sub] if sub else []), "--help", module="harness")
+    assert r.returncode == 0 and "usage: python -m harness" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["decode", "--tokens", "-3"], "argument --tokens: must be at least 0, not -3"),
+        (["decode", "--tokens", "many"], "argument --tokens: not an integer: 'many'"),
+        (["decode", "--slots", "0"], "argument --slots: must be at least 1, not 0"),
+        (["decode", "--readers", "0"], "argument --readers: must be at least 1, not 0"),
+        (["decode", "--depth", "0"], "argument --depth: must be at least 1, not 0"),
+        (["decode", "--predict-size", "-1"], "argument --predict-size: must be at least 1"),
+        (["decode", "--min-prob", "1.5"], "argument --min-prob: must lie in [0, 1], not 1.5"),
+        (["decode", "--install", "magic"], "argument --install: invalid choice"),
+        (["decode", "--predictor", "psychic"], "argument --predictor: invalid choice"),
+        (["trace", "--limit", "0"], "argument --limit: must be at least 1"),
+        (["fit", "--depth", "-2"], "argument --depth: must be at least 1"),
+        (["--models", "/nonexistent/models.yaml", "list"], "--models: /nonexistent/models.yaml: no such models file"),
+    ],
+)
+def test_bad_options_are_named(args, named):
+    r = run(*args)
+    assert r.returncode == 2
+    assert named in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_empty_prompt_is_named():
+    r = run("decode", "--model", "qwen3moe-tiny", "--tokens", "2", "--prompt", "")
+    assert r.returncode == 2 and "--prompt: the prompt encodes to no token" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["bench", "throughput", "--repeats", "0"], "argument --repeats: must be at least 1"),
+        (["bench", "miss", "--batch", "0"], "argument --batch: must be at least 1"),
+        (["bench", "prefetch", "--min-probs", "-0.1"], "argument --min-probs: must lie in [0, 1]"),
+        (["bench", "nothing"], "invalid choice: 'nothing'"),
+    ],
+)
+def test_harness_bad_options_are_named(args, named):
+    r = run(*args, module="harness")
+    assert r.returncode == 2 and named in r.stderr, r.stderr
 
 
 def test_slots_below_top_k_are_refused():
@@ -48,3 +102,17 @@ def test_unknown_model():
 def test_real_model_without_weights():
     r = run("decode", "--model", "qwen3-30b-a3b-4bit", "--tokens", "2")
     assert r.returncode == 2 and "python -m engine pin qwen3-30b-a3b-4bit" in r.stderr
+
+
+def test_a_users_models_file_extends_the_registry(tmp_path):
+    extra = tmp_path / "mine.yaml"
+    extra.write_text(
+        (ROOT / "engine" / "data" / "models.yaml").read_text().split("models:")[0]
+        + "models:\n  my-tiny:\n    kind: embedded\n    architecture: qwen3_moe\n    dtype: bfloat16\n"
+        "    seed: 7\n    layers: 2\n    hidden: 128\n    expert_width: 64\n    heads: 4\n    kv_heads: 2\n"
+        "    head_dim: 16\n    experts: 16\n    top_k: 4\n    vocab: 512\n"
+    )
+    r = run("--models", str(extra), "list", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    ids = {line.split()[0] for line in r.stdout.splitlines()}
+    assert {"my-tiny", "olmoe-tiny", "qwen3moe-tiny"} <= ids  # the packaged models stay

@@ -5,29 +5,30 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-from engine import inventory, provenance, rawlog, registry
+from harness import inventory, provenance, rawlog
 
-ROOT = registry.REPO_ROOT
 SETUP = ROOT / "scripts" / "cluster_setup.sh"
 
 
 def setup(hostfile, *args, env=None):
     env = {**os.environ, "TITAN_REMOTE_SHELL": "bash -c", **(env or {})}
     env.pop("VIRTUAL_ENV", None)
-    return subprocess.run(["bash", str(SETUP), str(hostfile), *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=1500)
+    return subprocess.run(
+        ["bash", str(SETUP), str(hostfile), *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=1500
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
-                                    {"ssh": "localhost", "ips": ["127.0.0.1"]}]))
+    hostfile.write_text(
+        json.dumps([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "localhost", "ips": ["127.0.0.1"]}])
+    )
     dest = tmp_path / "nodes" / "{host}"
     r = setup(hostfile, "--dest", str(dest))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -35,7 +36,9 @@ def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
         node = tmp_path / "nodes" / host
         assert (node / "engine" / "runtime.py").exists() and (node / ".venv" / "bin" / "python").exists()
         assert not (node / "resources").exists()  # code only, nothing built
-    versions = [json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("[") and "{" in line]
+    versions = [
+        json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("[") and "{" in line
+    ]
     assert len(versions) == 2 and versions[0]["versions"] == versions[1]["versions"]
     assert versions[0]["versions"]["mlx"] == "0.32.4" and versions[0]["device"] in ("cpu", "gpu")
     assert "all hosts agree" in r.stdout
@@ -62,16 +65,33 @@ def test_setup_names_an_unreachable_host(tmp_path):
     assert r.returncode != 0 and "host nowhere" in r.stderr
 
 
-SECRETS = dict(hostname="ws-alice-7f3a.corp.example", fqdn="ws-alice-7f3a.corp.example", user="alice.smith",
-               machine_id="5f2d7c1e9a8b4c3d2e1f0a9b8c7d6e5f", addresses=["10.12.34.56", "fe80::1ff:fe23:4567:890a"],
-               macs=["3c:22:fb:12:34:56"], gpu_serials=["1652621034567"],
-               gpu_uuids=["GPU-8f2a4b6c-1d3e-4f5a-9b8c-7d6e5f4a3b2c"])
+SECRETS = dict(
+    hostname="ws-alice-7f3a.corp.example",
+    fqdn="ws-alice-7f3a.corp.example",
+    user="alice.smith",
+    machine_id="5f2d7c1e9a8b4c3d2e1f0a9b8c7d6e5f",
+    addresses=["10.12.34.56", "fe80::1ff:fe23:4567:890a"],
+    macs=["3c:22:fb:12:34:56"],
+    gpu_serials=["1652621034567"],
+    gpu_uuids=["GPU-8f2a4b6c-1d3e-4f5a-9b8c-7d6e5f4a3b2c"],
+)
 
 
 def fake_probe(alias="host-0123456789", **over):
-    p = dict(schema_version=1, probed_utc="2026-11-30T00:00:00Z", alias=alias, **SECRETS, chip="AMD EPYC", cores=2,
-             memory_bytes=1 << 34, os="Linux", os_version="6.18", python="3.11.7",
-             versions={"mlx": "0.32.4", "mlx-lm": "0.32.2", "numpy": "2.4.6", "titan-engine": "0.1.0"}, device="cpu")
+    p = dict(
+        schema_version=1,
+        probed_utc="2026-11-30T00:00:00Z",
+        alias=alias,
+        **SECRETS,
+        chip="AMD EPYC",
+        cores=2,
+        memory_bytes=1 << 34,
+        os="Linux",
+        os_version="6.18",
+        python="3.11.7",
+        versions={"mlx": "0.32.4", "mlx-lm": "0.32.2", "numpy": "2.4.6", "titan-engine": "0.1.0"},
+        device="cpu",
+    )
     p.update(over)
     return p
 
@@ -106,8 +126,13 @@ def test_every_raw_records_host_resolves_in_the_committed_inventory():
 
 
 def test_slurm_profile_dry_run():
-    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--profile", "profiles/slurm", "all"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--profile", "profiles/slurm", "all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "profiles/slurm" in out

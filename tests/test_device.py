@@ -9,13 +9,13 @@ import stat
 
 import mlx.core as mx
 import pytest
+from conftest import run_engine
 
-from engine import device, moe, provenance
-from engine.runtime import Engine, EngineConfig
-from engine.slots import SlotTable
-from engine.store import TensorSpec
-
-from test_exactness import max_abs_diff, run_engine
+from engine import EngineConfig, device, load, max_abs_diff
+from engine.runtime import moe
+from engine.runtime.slots import SlotTable
+from engine.runtime.store import TensorSpec
+from harness import bench, provenance
 
 TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
 
@@ -28,7 +28,7 @@ def test_auto_install_is_inplace_on_cpu_and_copy_on_gpu():
 
 
 def test_engine_default_resolves_auto():
-    eng = Engine.load("olmoe-tiny", EngineConfig(slots=16))
+    eng = load("olmoe-tiny", EngineConfig(slots=16))
     try:
         assert {t.install_mode for t in eng.tables} == {device.default_install()}
     finally:
@@ -85,7 +85,8 @@ def test_gpu_provenance_from_nvidia_smi(tmp_path, monkeypatch):
     fake.write_text(
         "#!/bin/sh\n"
         'case "$1" in --query-gpu*) echo "NVIDIA H200, 580.159.04, 143771 MiB";; '
-        '*) echo "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |";; esac\n')
+        '*) echo "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0 |";; esac\n'
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert provenance.nvidia() == dict(gpu="NVIDIA H200", driver="580.159.04", gpu_memory="143771 MiB", cuda="13.0")
@@ -101,12 +102,18 @@ def test_commit_sent_with_a_copied_tree_wins(monkeypatch):
 
 
 def test_install_bench_diagnoses_on_any_device(capsys):
-    from engine import bench
 
     args = type("A", (), dict(model="olmoe-tiny", repeats=1))()
     out = bench.install(args)
     assert out["device"] == "cpu"
-    for k in ("array", "first_device_read", "write_after_read", "write_resident", "fresh_write",
-              "batched8_array", "batched8_write"):
+    for k in (
+        "array",
+        "first_device_read",
+        "write_after_read",
+        "write_resident",
+        "fresh_write",
+        "batched8_array",
+        "batched8_write",
+    ):
         assert out["diagnosis_ms"][k] > 0
     json.dumps(out)

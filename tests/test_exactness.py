@@ -1,29 +1,13 @@
 """The engine's logits equal mlx-lm's bit for bit, over the prefill and 32 decode steps, at
 every slot count, on both embedded architectures (float16 OLMoE, bfloat16 Qwen3-MoE)."""
 
-import numpy as np
 import pytest
+from conftest import MODELS, run_engine
 
-from engine.moe import ExpertCache
-from engine.runtime import Engine, EngineConfig, decode
-
-from conftest import MODELS
+from engine import max_abs_diff
+from engine.runtime.moe import ExpertCache
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
-
-
-def run_engine(model_id, ref, **cfg):
-    eng = Engine.load(model_id, EngineConfig(**cfg))
-    try:
-        _, records, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
-        return records, logits, eng.counters()
-    finally:
-        eng.close()
-
-
-def max_abs_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("model_id,slots", CASES)
@@ -60,6 +44,7 @@ def test_prefill_larger_than_table_is_chunked(reference):
 
 def test_full_table_never_synchronises(reference, monkeypatch):
     """At S = E the layer goes straight to the kernels: Algorithm 1's host path never runs."""
+
     def boom(*a, **k):
         raise AssertionError("host path taken at S = E")
 

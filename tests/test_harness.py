@@ -7,26 +7,59 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+import yaml
+from conftest import ROOT
 
-from engine import provenance, rawlog, registry
+from harness import provenance, rawlog
 
-ROOT = registry.REPO_ROOT
 sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
 import aggregate  # noqa: E402
 
 
 def fake_run(root, gate="C", experiment="prefetch_online", n=2, **result):
-    rows = [dict(model="m", tier="cold", prompt_set="code", slots=16, experts=64, predictor="none", depth=0,
-                 tok_s=10.0 + i, stall_ms_per_token=1.5, late_stall_ms_per_token=0.0, hit_rate=0.5, issued=0,
-                 useful=0, wasted=0, late=0, tokens=8, per_miss_pread_ms=0.1, per_miss_array_ms=0.0,
-                 per_miss_install_ms=0.01, per_miss_stall_ms=0.2, misses=3, **result) for i in range(n)]
+    rows = [
+        dict(
+            model="m",
+            tier="cold",
+            prompt_set="code",
+            slots=16,
+            experts=64,
+            predictor="none",
+            depth=0,
+            tok_s=10.0 + i,
+            stall_ms_per_token=1.5,
+            late_stall_ms_per_token=0.0,
+            hit_rate=0.5,
+            issued=0,
+            useful=0,
+            wasted=0,
+            late=0,
+            tokens=8,
+            per_miss_pread_ms=0.1,
+            per_miss_array_ms=0.0,
+            per_miss_install_ms=0.01,
+            per_miss_stall_ms=0.2,
+            misses=3,
+            **result,
+        )
+        for i in range(n)
+    ]
     for i, r in enumerate(rows):
         r["slots"] = 16 * (i + 1)
-    return rawlog.write_run(gate, experiment, rows, config={"x": 1}, seed=0, started=provenance.utc_now(), root=root,
-                            command="test", model="m", revision=None)
+    return rawlog.write_run(
+        gate,
+        experiment,
+        rows,
+        config={"x": 1},
+        seed=0,
+        started=provenance.utc_now(),
+        root=root,
+        command="test",
+        model="m",
+        revision=None,
+    )
 
 
 def test_a_run_adds_a_read_only_file_and_never_replaces_one(tmp_path):
@@ -37,8 +70,9 @@ def test_a_run_adds_a_read_only_file_and_never_replaces_one(tmp_path):
     assert oct(a.stat().st_mode & 0o777) == "0o444"
     before = a.read_bytes()
     with pytest.raises(FileExistsError):
-        rawlog.write_run("C", "prefetch_online", [{"v": 1}], config={}, seed=0, started=provenance.utc_now(),
-                         path=a, command="test")
+        rawlog.write_run(
+            "C", "prefetch_online", [{"v": 1}], config={}, seed=0, started=provenance.utc_now(), path=a, command="test"
+        )
     assert a.read_bytes() == before
 
 
@@ -102,12 +136,12 @@ def test_tables_are_byte_identical_from_the_same_logs(tmp_path):
 
 
 def snakemake(*args):
-    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_bad_config_fails_before_any_job_naming_the_field(tmp_path):
-    import yaml
 
     cfg = yaml.safe_load((ROOT / "workflow/config/default.yaml").read_text())
     cfg["prefetch_online"]["tiers"] = ["page_cache", "ssd"]
@@ -132,11 +166,34 @@ def test_dry_run_of_all_plans_every_gate():
 
 
 def sync_run(root, per_miss, batched, stall_per_miss, stall_batched, pset="general"):
-    rows = [dict(model="m", tier="page_cache", prompt_set=pset, slots=16, experts=64, install="copy", sync=s,
-                 tok_s=t, stall_ms_per_token=st, misses=100, tokens=32)
-            for s, t, st in (("per_miss", per_miss, stall_per_miss), ("batched", batched, stall_batched))]
-    return rawlog.write_run("C", "sync_ablation", rows, config={}, seed=0, started=provenance.utc_now(), root=root,
-                            command="test", model="m", revision=None)
+    rows = [
+        dict(
+            model="m",
+            tier="page_cache",
+            prompt_set=pset,
+            slots=16,
+            experts=64,
+            install="copy",
+            sync=s,
+            tok_s=t,
+            stall_ms_per_token=st,
+            misses=100,
+            tokens=32,
+        )
+        for s, t, st in (("per_miss", per_miss, stall_per_miss), ("batched", batched, stall_batched))
+    ]
+    return rawlog.write_run(
+        "C",
+        "sync_ablation",
+        rows,
+        config={},
+        seed=0,
+        started=provenance.utc_now(),
+        root=root,
+        command="test",
+        model="m",
+        revision=None,
+    )
 
 
 def claims_of(raw, figdir):
@@ -156,11 +213,13 @@ def test_claims_compare_ratios_with_a_stated_tolerance(tmp_path):
 def test_claims_say_no_when_the_reproduction_disagrees(tmp_path):
     sync_run(tmp_path / "raw", 50.0, 40.0, 1.0, 1.2)  # batching made it slower: opposite direction
     row = claims_of(tmp_path / "raw", tmp_path / "a").loc[
-        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"]
+        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"
+    ]
     assert row["direction"] == "no" and row["within_tolerance"] == "no"
     sync_run(tmp_path / "raw2", 50.0, 55.0, 1.0, 0.9)  # right direction, far smaller gain
     row = claims_of(tmp_path / "raw2", tmp_path / "b").loc[
-        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"]
+        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"
+    ]
     assert row["direction"] == "yes" and row["within_tolerance"] == "no"
 
 

@@ -4,13 +4,17 @@ adaptive scheduler under a popularity shift."""
 import numpy as np
 import pytest
 
-from engine import placement as pl
-from engine.placement import SSD, Node
+from engine.cluster import placement as pl
+from engine.cluster.placement import SSD, Node
 
 
 def nodes3(cap0=2, cap1=1, cap2=1):
     # unit costs: node 0 -> 1.0, node 1 -> 1.0 + 0.5 = 1.5, node 2 -> 0.8 + 0.1 = 0.9
-    return [Node(cost=1.0, capacity=cap0), Node(cost=1.0, capacity=cap1, link=0.5), Node(cost=0.8, capacity=cap2, link=0.1)]
+    return [
+        Node(cost=1.0, capacity=cap0),
+        Node(cost=1.0, capacity=cap1, link=0.5),
+        Node(cost=0.8, capacity=cap2, link=0.1),
+    ]
 
 
 PI = np.array([[0.4, 0.3, 0.2, 0.1]])
@@ -43,11 +47,17 @@ def test_unplaced_experts_fall_back_to_the_ssd_tier():
 @pytest.mark.parametrize("strategy", list(pl.STRATEGIES))
 def test_capacity_never_exceeded(strategy):
     rng = np.random.default_rng(0)
-    for trial in range(20):
+    for _ in range(20):
         L, E, N = rng.integers(1, 5), rng.integers(4, 40), rng.integers(1, 5)
         pi = rng.dirichlet(np.ones(E) * 0.3, size=L)
-        nodes = [Node(cost=float(rng.uniform(0.5, 2)), capacity=float(rng.integers(0, E) * 3),
-                      link=0.0 if n == 0 else float(rng.uniform(0, 1))) for n in range(N)]
+        nodes = [
+            Node(
+                cost=float(rng.uniform(0.5, 2)),
+                capacity=float(rng.integers(0, E) * 3),
+                link=0.0 if n == 0 else float(rng.uniform(0, 1)),
+            )
+            for n in range(N)
+        ]
         p = pl.STRATEGIES[strategy](pi, nodes, 3.0, hot=int(rng.integers(0, 5)))
         for used, node in zip(p.used_bytes(nodes, 3.0), nodes):
             assert used <= node.capacity
@@ -94,9 +104,11 @@ def test_trace_cost_matches_expected_cost_on_its_own_popularity():
 def test_adaptive_beats_static_after_a_popularity_shift():
     rng = np.random.default_rng(4)
     L, E, T = 2, 16, 600
+
     def draw(offset):
-        return np.stack([np.stack([np.sort(offset + rng.choice(8, 2, replace=False)) for _ in range(T)])
-                         for _ in range(L)], 1)
+        return np.stack(
+            [np.stack([np.sort(offset + rng.choice(8, 2, replace=False)) for _ in range(T)]) for _ in range(L)], 1
+        )
 
     before, after = draw(0), draw(8)
     nodes = [Node(1.0, 8), Node(1.0, 100, 2.0)]  # node 0 holds a quarter; remote costs more

@@ -6,51 +6,17 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import MODELS, run_with
 
-from engine import predictors, prompts, registry, simulate, trace
-from engine.embedded import sha256_file
-from engine.predictors import Context
-from engine.prefetch import Prefetcher
-from engine.runtime import Engine, EngineConfig, decode, fitted_predictor, load_reference
-from engine.store import Store, StoreError
-
-from conftest import MODELS, PROMPT
-from test_exactness import max_abs_diff
-
-
-@pytest.fixture(scope="session")
-def fit_traces():
-    """Per model, a small in-memory trace of three fit prompts (8 decode tokens each)."""
-    cache = {}
-
-    def get(model_id):
-        if model_id not in cache:
-            model, tok, _ = load_reference(model_id)
-            parts = []
-            for i, p in enumerate(prompts.load("code", "fit")[:3]):
-                r = trace.record(model, tok.encode(p["text"]), 8)
-                r["prompt"] = np.full(len(r["tokens"]), i, np.int32)
-                parts.append(r)
-            cat = {k: np.concatenate([p[k] for p in parts]) for k in ("experts", "probs", "hidden", "tokens", "prompt", "decode")}
-            cache[model_id] = trace.Trace(meta={"model": model_id}, **cat)
-        return cache[model_id]
-
-    return get
-
-
-def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace"):
-    spec = MODELS[model_id]
-    pred = predictors.make(name, depth, spec["top_k"]).fit(fit)
-    eng = Engine.load(model_id, EngineConfig(slots=slots or spec["experts"] // 4, eviction=eviction, install=install),
-                      prefetcher=Prefetcher(pred, depth) if name != "none" else None)
-    try:
-        if name == "oracle":
-            model, tok, _ = load_reference(model_id)
-            eng.bind_oracle(trace.record(model, ref["ids"], len(ref["tokens"]) - 1)["experts"])
-        _, records, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
-        return records, logits
-    finally:
-        eng.close()
+from engine import EngineConfig, load, max_abs_diff
+from engine.models import registry
+from engine.models.embedded import sha256_file
+from engine.predict import predictors, prompts, simulate, trace
+from engine.predict.fitting import fitted_predictor
+from engine.predict.predictors import Context
+from engine.runtime.loop import decode
+from engine.runtime.prefetch import Prefetcher
+from engine.runtime.store import Store, StoreError
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -111,9 +77,15 @@ def planted_trace(seed=0, L=3, E=16, K=2, T=400):
         for l in range(1, L):
             experts[t, l] = np.sort(perm[experts[t, l - 1]])
     z = np.zeros((T, L, 4), np.float16)
-    return trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=z,
-                       tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32),
-                       decode=np.ones(T, bool), meta={}), perm
+    return trace.Trace(
+        experts=experts,
+        probs=np.zeros((T, L, E), np.float16),
+        hidden=z,
+        tokens=np.zeros(T, np.int32),
+        prompt=np.zeros(T, np.int32),
+        decode=np.ones(T, bool),
+        meta={},
+    ), perm
 
 
 def test_transition_recovers_a_planted_map():
@@ -146,8 +118,15 @@ def test_probe_learns_a_linear_rule(backend):
         for l in range(L):
             src = hidden[t, l - 1] if l else rng.normal(size=D)
             experts[t, l] = np.sort(np.argsort(-(src.astype(float) @ proj))[:K])
-    tr = trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=hidden,
-                     tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32), decode=np.ones(T, bool), meta={})
+    tr = trace.Trace(
+        experts=experts,
+        probs=np.zeros((T, L, E), np.float16),
+        hidden=hidden,
+        tokens=np.zeros(T, np.int32),
+        prompt=np.zeros(T, np.int32),
+        decode=np.ones(T, bool),
+        meta={},
+    )
     pred = predictors.make("probe", 1, K)
     pred.backend = backend
     pred.fit(tr)
@@ -186,8 +165,9 @@ def test_a_saved_fit_is_reused_only_for_the_trace_it_was_fitted_on(tmp_path, fit
 
     def record(rows):
         tpath.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(tpath, **{k: getattr(tr, k)[rows] for k in ("experts", "probs", "hidden", "tokens",
-                                                                         "prompt", "decode")})
+        np.savez_compressed(
+            tpath, **{k: getattr(tr, k)[rows] for k in ("experts", "probs", "hidden", "tokens", "prompt", "decode")}
+        )
         tpath.with_suffix(".json").write_text(json.dumps({"model": "qwen3moe-tiny", "result": {"prompts": ["p"]}}))
 
     record(slice(None))
@@ -215,8 +195,9 @@ def test_a_saved_fit_of_an_older_format_is_fitted_again(tmp_path, fit_traces, mo
     tr = fit_traces("qwen3moe-tiny")
     tpath = trace.trace_path("qwen3moe-tiny", "code", "fit", 8)
     tpath.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(tpath, **{k: getattr(tr, k) for k in ("experts", "probs", "hidden", "tokens", "prompt",
-                                                              "decode")})
+    np.savez_compressed(
+        tpath, **{k: getattr(tr, k) for k in ("experts", "probs", "hidden", "tokens", "prompt", "decode")}
+    )
     tpath.with_suffix(".json").write_text(json.dumps({"model": "qwen3moe-tiny", "result": {"prompts": ["p"]}}))
     first = fitted_predictor("qwen3moe-tiny", "popularity", 1, 8, "code", 8)
     saved = predictors.fitted_path("qwen3moe-tiny", "code", "popularity", 1, 8, 8)
@@ -258,10 +239,19 @@ def test_quality_reports_how_sure_a_predictor_was_beside_how_right():
     a calibrated one: popularity scored on the very trace it counted. The oracle estimates nothing."""
     rng = np.random.default_rng(2)
     T, L, E, K = 400, 2, 8, 2
-    experts = np.sort(np.stack([rng.choice(E, K, replace=False, p=np.arange(1, E + 1) / 36)
-                                for _ in range(T * L)]).reshape(T, L, K), axis=-1).astype(np.int16)
-    tr = trace.Trace(experts=experts, probs=np.zeros((T, L, E), np.float16), hidden=np.zeros((T, L, 4), np.float16),
-                     tokens=np.zeros(T, np.int32), prompt=np.zeros(T, np.int32), decode=np.ones(T, bool), meta={})
+    experts = np.sort(
+        np.stack([rng.choice(E, K, replace=False, p=np.arange(1, E + 1) / 36) for _ in range(T * L)]).reshape(T, L, K),
+        axis=-1,
+    ).astype(np.int16)
+    tr = trace.Trace(
+        experts=experts,
+        probs=np.zeros((T, L, E), np.float16),
+        hidden=np.zeros((T, L, 4), np.float16),
+        tokens=np.zeros(T, np.int32),
+        prompt=np.zeros(T, np.int32),
+        decode=np.ones(T, bool),
+        meta={},
+    )
     q = predictors.quality(predictors.make("popularity", 1, K).fit(tr), tr)
     assert 0.2 < q["used_share"] < 1
     assert q["estimate"] == pytest.approx(q["used_share"], abs=0.01)
@@ -282,10 +272,11 @@ def test_bit_identical_with_a_confidence_floor(reference, fit_traces):
     issued = {}
     for q in (0.0, 0.2):
         pred = predictors.make("transition", 1, spec["top_k"], min_prob=q).fit(fit_traces("qwen3moe-tiny"))
-        eng = Engine.load("qwen3moe-tiny", EngineConfig(slots=spec["experts"] // 4), prefetcher=Prefetcher(pred, 1))
+        eng = load("qwen3moe-tiny", EngineConfig(slots=spec["experts"] // 4), prefetcher=Prefetcher(pred, 1))
         try:
-            _, records, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"],
-                                        keep_logits=True)
+            _, records, logits = decode(
+                eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True
+            )
         finally:
             eng.close()
         issued[q] = sum(r["issued"] for r in records)
@@ -328,8 +319,11 @@ def test_reader_error_reaches_the_decode_thread(reference, fit_traces, monkeypat
 @pytest.mark.timeout(60)
 def test_shutdown_with_reads_in_flight_does_not_hang(fit_traces):
     tr = fit_traces("qwen3moe-tiny")
-    eng = Engine.load("qwen3moe-tiny", EngineConfig(slots=32, readers=1),
-                      prefetcher=Prefetcher(predictors.make("popularity", 1, 16).fit(tr), 1))
+    eng = load(
+        "qwen3moe-tiny",
+        EngineConfig(slots=32, readers=1),
+        prefetcher=Prefetcher(predictors.make("popularity", 1, 16).fit(tr), 1),
+    )
     cache = eng.cache
     cache.begin_step(0, 1)
     for layer in range(len(eng.tables)):  # issue without ever draining

@@ -2,14 +2,14 @@
 
 import hashlib
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from mlx_lm.models import olmoe, qwen3_moe
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from engine import embedded, registry
-from engine.registry import RegistryError
+from engine.models import embedded, registry
+from engine.models.registry import RegistryError
 
 REAL = "olmoe-1b-7b-4bit"
 HASH = "0123456789abcdef0123456789abcdef01234567"
@@ -111,7 +111,9 @@ def test_pin_writes_the_cached_commit(models_file, hf_cache):
     after = models_file.read_text()
     assert f"revision: {HASH}" in after
     # only that one line changed: comments and the other models are kept
-    assert [l for l in before.splitlines() if "revision" not in l] == [l for l in after.splitlines() if "revision" not in l]
+    assert [l for l in before.splitlines() if "revision" not in l] == [
+        l for l in after.splitlines() if "revision" not in l
+    ]
     assert registry.model_dir(REAL) == snap
 
 
@@ -145,8 +147,6 @@ def test_other_seed_other_weights(tmp_path):
 
 
 def test_embedded_uses_mlx_lm_classes_and_quantization():
-    from mlx_lm.models import olmoe, qwen3_moe
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     for mid, cls, dtype in (("olmoe-tiny", olmoe.Model, "float16"), ("qwen3moe-tiny", qwen3_moe.Model, "bfloat16")):
         model, tok, spec, _ = registry.load(mid)
@@ -160,5 +160,5 @@ def test_embedded_uses_mlx_lm_classes_and_quantization():
 def test_build_from_another_spec_is_refused(tmp_path):
     spec = registry.get_spec("qwen3moe-tiny")
     out = embedded.build(spec, tmp_path / "m")
-    with pytest.raises(RegistryError, match="built from another spec.*--force"):
+    with pytest.raises(embedded.BuildError, match="built from another spec.*--force"):
         embedded.check_or_build(dict(spec, layers=4), out)

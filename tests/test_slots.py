@@ -3,12 +3,12 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from engine.runtime import Engine, EngineConfig, decode
-from engine.slots import LRU, SlotTable
-from engine.store import TensorSpec
-
 from conftest import PROMPT
+
+from engine import EngineConfig, load
+from engine.runtime.loop import decode
+from engine.runtime.slots import LRU, SlotTable
+from engine.runtime.store import TensorSpec
 
 TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
 
@@ -26,7 +26,7 @@ def check_consistent(table):
 
 @pytest.mark.parametrize("install", ["inplace", "copy"])
 def test_slots_hold_store_bytes_after_decoding(install):
-    eng = Engine.load("olmoe-tiny", EngineConfig(slots=16, install=install))
+    eng = load("olmoe-tiny", EngineConfig(slots=16, install=install))
     try:
         ids = eng.tokenizer.encode(PROMPT)
         decode(eng.model, ids, 8)

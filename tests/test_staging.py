@@ -12,17 +12,16 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from conftest import MODELS, run_with
 
-from engine import device, staging
-from engine.moe import ExpertCache
-from engine.prefetch import NoPrefetch
-from engine.runtime import Engine, EngineConfig, decode, load_reference
-from engine.slots import SlotTable
-from engine.store import TensorSpec
-
-from conftest import MODELS
-from test_exactness import max_abs_diff, run_engine
-from test_prefetch import fit_traces, run_with  # noqa: F401 (a fixture)
+from engine import EngineConfig, device, load, max_abs_diff
+from engine.models.registry import load_reference
+from engine.runtime import staging
+from engine.runtime.loop import decode
+from engine.runtime.moe import ExpertCache
+from engine.runtime.prefetch import NoPrefetch
+from engine.runtime.slots import SlotTable
+from engine.runtime.store import TensorSpec
 
 REAL = device.kind() == "gpu" and device.pinned_unavailable() is None
 gpu_only = pytest.mark.skipif(not REAL, reason="GPU-only: needs MLX's CUDA backend and libcudart (the copy kernel)")
@@ -44,8 +43,12 @@ def _memory(records, record_bytes, tensors):
 
 
 # A record with a grain of every width: 16-byte, 4-byte and 2-byte tensors, bfloat16 included.
-TENSORS = [TensorSpec("a", (4, 8), "uint32", 0, 128), TensorSpec("b", (3,), "float32", 128, 12),
-           TensorSpec("c", (5,), "bfloat16", 140, 10), TensorSpec("d", (2, 3), "float16", 150, 12)]
+TENSORS = [
+    TensorSpec("a", (4, 8), "uint32", 0, 128),
+    TensorSpec("b", (3,), "float32", 128, 12),
+    TensorSpec("c", (5,), "bfloat16", 140, 10),
+    TensorSpec("d", (2, 3), "float16", 150, 12),
+]
 RECORD = 4096
 
 
@@ -57,7 +60,7 @@ def _fill(pool, recs, seed):
 
 
 def _expected(rows, t):
-    return [row[t.offset: t.offset + t.nbytes] for row in rows]
+    return [row[t.offset : t.offset + t.nbytes] for row in rows]
 
 
 def _bytes(a) -> np.ndarray:
@@ -157,7 +160,7 @@ def test_pinned_says_why_and_falls_back_on_the_cpu(capsys):
     assert device.resolve_install("pinned") == "inplace"
     assert "install pinned needs MLX's CUDA backend" in capsys.readouterr().err
     assert device.resolve_install("auto") == "inplace"
-    eng = Engine.load("olmoe-tiny", EngineConfig(slots=16, install="pinned"))
+    eng = load("olmoe-tiny", EngineConfig(slots=16, install="pinned"))
     try:
         assert {t.install_mode for t in eng.tables} == {"inplace"} and eng.cache.staging is None
     finally:
@@ -171,11 +174,12 @@ def test_no_cuda_runtime_is_a_named_error(tmp_path):
 
 
 # -- the engine on the pinned path ---------------------------------------------------------------
-@pytest.mark.parametrize("model_id,slots", [(m, s) for m, d in MODELS.items()
-                                            for s in (d["experts"], d["experts"] // 2, d["top_k"])])
+@pytest.mark.parametrize(
+    "model_id,slots", [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["top_k"])]
+)
 def test_pinned_logits_bit_identical(reference, pinned, model_id, slots):
     ref = reference(model_id)
-    eng = Engine.load(model_id, EngineConfig(slots=slots, install="pinned"))
+    eng = load(model_id, EngineConfig(slots=slots, install="pinned"))
     try:
         assert {t.install_mode for t in eng.tables} == {"pinned"}
         _, _, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
@@ -215,7 +219,7 @@ def _scribbling(monkeypatch):
 
 
 def _decode_qwen_small(ref):
-    eng = Engine.load("qwen3moe-tiny", EngineConfig(slots=16, install="pinned", staging_records=8))
+    eng = load("qwen3moe-tiny", EngineConfig(slots=16, install="pinned", staging_records=8))
     try:
         _, _, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
         return logits, eng.cache.staging.waits
@@ -255,7 +259,7 @@ def test_stream_generate_gives_mlx_lms_tokens(pinned):
     prompt = "def fibonacci(n):"
     want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=24)]
     for install in ("pinned", "auto"):
-        eng = Engine.load("qwen3moe-tiny", EngineConfig(slots=16, install=install, predictor="previous"))
+        eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install, predictor="previous"))
         try:
             got = [r.token for r in mlx_lm.stream_generate(eng.model, eng.tokenizer, prompt, max_tokens=24)]
             assert eng.counters()["misses"] > 0
@@ -266,7 +270,7 @@ def test_stream_generate_gives_mlx_lms_tokens(pinned):
 
 def test_pinned_miss_accounting(pinned):
     """A layer's misses through the pinned path count as misses, bytes and stall, once each."""
-    eng = Engine.load("olmoe-tiny", EngineConfig(slots=8, install="pinned"))
+    eng = load("olmoe-tiny", EngineConfig(slots=8, install="pinned"))
     try:
         cache = eng.cache
         assert isinstance(cache, ExpertCache) and isinstance(cache.prefetcher, NoPrefetch)

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import registry
-from engine.runtime import open_store, store_dir
-from engine.store import Store, StoreError, moe_layers
+from engine.models import registry
+from engine.runtime.engine import open_store, store_dir
+from engine.runtime.store import Store, StoreError, moe_layers
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,9 @@ def test_round_trip(tiny, tier):
 
 def test_layout_is_nine_tensors_per_expert(tiny):
     with Store(store_dir("olmoe-tiny")) as s:
-        assert [t.name for t in s.tensors] == [f"{p}.{q}" for p in ("gate_proj", "up_proj", "down_proj")
-                                               for q in ("weight", "scales", "biases")]
+        assert [t.name for t in s.tensors] == [
+            f"{p}.{q}" for p in ("gate_proj", "up_proj", "down_proj") for q in ("weight", "scales", "biases")
+        ]
         assert s.record_bytes % 4096 == 0
 
 

@@ -7,11 +7,13 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from engine import moe
-from engine.runtime import Engine, EngineConfig, decode
-
 from conftest import PROMPT
+
+from engine import EngineConfig, load
+from engine.models.registry import load_reference
+from engine.predict import trace
+from engine.runtime import moe
+from engine.runtime.loop import decode
 
 
 def test_an_array_made_in_a_reader_thread_cannot_be_evaluated_elsewhere():
@@ -50,11 +52,9 @@ def test_engine_makes_mlx_arrays_only_in_the_decode_thread(monkeypatch, install)
         return real(block, tensors, one_array)
 
     monkeypatch.setattr(moe, "records_to_mx", spy)
-    eng = Engine.load("olmoe-tiny", EngineConfig(slots=16, install=install, readers=4, predictor="oracle"))
+    eng = load("olmoe-tiny", EngineConfig(slots=16, install=install, readers=4, predictor="oracle"))
     try:
         ids = eng.tokenizer.encode(PROMPT)
-        from engine.runtime import load_reference
-        from engine import trace
 
         eng.bind_oracle(trace.record(load_reference("olmoe-tiny")[0], ids, 4)["experts"])
         decode(eng.model, ids, 4)

@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import yaml
 
-from engine import registry, train
+from engine import EngineConfig, load, max_abs_diff
+from engine.models import registry, train
+from engine.models.registry import load_reference
+from engine.predict import prompts
+from engine.runtime.loop import decode
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +42,12 @@ def test_data_and_tokenizer_are_deterministic(tmp_path):
 
 
 def test_eval_prompts_are_held_out_of_training():
-    from engine import prompts
-
     general, code = train.corpus(0, 200_000)
     for p in prompts.load("code", "eval"):
         assert p["text"] not in code
 
 
 def test_trained_model_loads_and_stays_bit_exact(short_training):
-    from engine.runtime import Engine, EngineConfig, decode, load_reference
-
     assert len(short_training["curve"]) == 3
     assert all(np.isfinite(c["loss"]) for c in short_training["curve"])
     for mid, dtype in (("olmoe-trained", "float16"), ("olmoe-trained-f32", "float32")):
@@ -55,13 +55,13 @@ def test_trained_model_loads_and_stays_bit_exact(short_training):
         assert str(model.model.norm.weight.dtype).endswith(dtype)
         ids = tok.encode("def main():\n    return 0")
         tokens, _, ref = decode(model, ids, 8, keep_logits=True)
-        eng = Engine.load(mid, EngineConfig(slots=spec["experts"] // 4))
+        eng = load(mid, EngineConfig(slots=spec["experts"] // 4))
         try:
             _, recs, got = decode(eng.model, ids, 8, forced=tokens, keep_logits=True)
         finally:
             eng.close()
         assert sum(r["misses"] for r in recs) > 0
-        assert max(float(np.abs(a - b).max()) for a, b in zip(ref, got)) == 0.0
+        assert max_abs_diff(ref, got) == 0.0
 
 
 def test_untrained_model_says_how_to_train(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ from snakemake.utils import validate
 validate(config, "../schemas/config.schema.yaml")
 
 sys.path.insert(0, workflow.basedir)
-from engine import rawlog, registry  # noqa: E402
+from engine.models import registry  # noqa: E402
+from harness import rawlog  # noqa: E402
 
 # The interpreter running Snakemake runs the engine too (the project's virtual environment).
 PYTHON = sys.executable

@@ -11,7 +11,7 @@ rule train:
     params:
         python=PYTHON,
     shell:
-        "{params.python} -m engine train olmoe-trained > {log} 2>&1"
+        "{params.python} -m harness train olmoe-trained > {log} 2>&1"
 
 
 rule trace:

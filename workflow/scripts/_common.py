@@ -3,6 +3,9 @@ as one raw file with full provenance (Snakemake runs scripts in a subprocess of 
 
 import contextlib
 
+from engine.models import registry
+from harness import provenance, rawlog
+
 
 @contextlib.contextmanager
 def logged(snakemake):
@@ -18,8 +21,6 @@ def command(snakemake) -> str:
 def run_gate(snakemake, gate: str, experiment: str, measure):
     """Run `measure()` (a list of result dicts) and write them to the rule's raw output. A
     measurement that raises writes nothing."""
-    from engine import provenance, rawlog, registry
-
     wc = dict(snakemake.wildcards.items())
     model = wc.get("model")
     with logged(snakemake):
@@ -29,6 +30,15 @@ def run_gate(snakemake, gate: str, experiment: str, measure):
         for r in results:
             print(r, flush=True)
         config = dict(snakemake.params.settings, **{k: v for k, v in wc.items() if k != "out"})
-        rawlog.write_run(gate, experiment, results, config=config, seed=spec.get("seed", 0), started=started,
-                         path=snakemake.output[0], command=command(snakemake), model=model,
-                         revision=spec.get("revision"))
+        rawlog.write_run(
+            gate,
+            experiment,
+            results,
+            config=config,
+            seed=spec.get("seed", 0),
+            started=started,
+            path=snakemake.output[0],
+            command=command(snakemake),
+            model=model,
+            revision=spec.get("revision"),
+        )

@@ -6,12 +6,20 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import run_gate  # noqa: E402
 
-from engine import gate_f, online  # noqa: E402
+from harness import gate_f, online  # noqa: E402
 
 s, wc = snakemake.params.settings, snakemake.wildcards
 
 if snakemake.rule == "sync_ablation":
-    run_gate(snakemake, "C", "sync_ablation", lambda: online.sync_ablation(
-        wc.model, s["tier"], wc.pset, s["slots"], s["prompts"], s["tokens"], installs=s["installs"]))
+    run_gate(
+        snakemake,
+        "C",
+        "sync_ablation",
+        lambda: online.sync_ablation(
+            wc.model, s["tier"], wc.pset, s["slots"], s["prompts"], s["tokens"], installs=s["installs"]
+        ),
+    )
 else:
-    run_gate(snakemake, "F", "wire_ablation", lambda: gate_f.wire_ablation(wc.model, s["nodes"], s["tokens"], s["wires"]))
+    run_gate(
+        snakemake, "F", "wire_ablation", lambda: gate_f.wire_ablation(wc.model, s["nodes"], s["tokens"], s["wires"])
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine import rawlog
+from harness import rawlog
 
 # The paper's own figures, quoted from shared/seeds/004_f9dda6381342b645.txt (implementation
 # section): for comparison beside what this harness measures, never used as a result.
@@ -50,10 +50,21 @@ def design_table(recs):
         slots = res.get("slots")
         paper = PAPER.get((res["measure"], variant, slots if res["measure"] == "slot_write" else None))
         value = res["max_abs_logit_diff"] if res["measure"] == "parity" else res["ms"]
-        rows.append(dict(**machine_cols(r), measure=res["measure"], variant=variant,
-                         slots=slots, model=res.get("model"), dtype=r["config"].get("dtype") if res["measure"] != "parity" else res.get("dtype"),
-                         value=value, unit="max|dlogit|" if res["measure"] == "parity" else "ms",
-                         paper=paper, started_utc=r["started_utc"], run_id=r["run_id"]))
+        rows.append(
+            dict(
+                **machine_cols(r),
+                measure=res["measure"],
+                variant=variant,
+                slots=slots,
+                model=res.get("model"),
+                dtype=r["config"].get("dtype") if res["measure"] != "parity" else res.get("dtype"),
+                value=value,
+                unit="max|dlogit|" if res["measure"] == "parity" else "ms",
+                paper=paper,
+                started_utc=r["started_utc"],
+                run_id=r["run_id"],
+            )
+        )
     return latest(rows, MACHINE + ["measure", "variant", "slots", "model"])
 
 
@@ -61,8 +72,9 @@ def online_rows(recs):
     rows = []
     for r in recs:
         res = r["result"]
-        rows.append(dict(**machine_cols(r), **{k: v for k, v in res.items()}, started_utc=r["started_utc"],
-                         run_id=r["run_id"]))
+        rows.append(
+            dict(**machine_cols(r), **{k: v for k, v in res.items()}, started_utc=r["started_utc"], run_id=r["run_id"])
+        )
     return rows
 
 
@@ -71,8 +83,19 @@ ONLINE_KEYS = MACHINE + ["model", "tier", "prompt_set", "slots", "predictor", "d
 
 def prefetch_table(recs):
     df = latest(online_rows(recs), ONLINE_KEYS)
-    cols = ONLINE_KEYS + ["experts", "tok_s", "stall_ms_per_token", "late_stall_ms_per_token", "hit_rate",
-                          "issued", "useful", "wasted", "late", "tokens", "runs"]
+    cols = ONLINE_KEYS + [
+        "experts",
+        "tok_s",
+        "stall_ms_per_token",
+        "late_stall_ms_per_token",
+        "hit_rate",
+        "issued",
+        "useful",
+        "wasted",
+        "late",
+        "tokens",
+        "runs",
+    ]
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
 
@@ -98,8 +121,17 @@ def quality_table(recs):
 
 def routing_table(recs):
     keys = ["model", "kind", "layer", "prompt_set", "predictor", "depth"]
-    cols = keys + ["entropy", "top10_share", "unused", "js_code_general_bits", "specialised_share",
-                   "precision", "recall", "chance", "runs"]
+    cols = keys + [
+        "entropy",
+        "top10_share",
+        "unused",
+        "js_code_general_bits",
+        "specialised_share",
+        "precision",
+        "recall",
+        "chance",
+        "runs",
+    ]
     rows = []
     for r in recs:
         row = dict.fromkeys(keys)
@@ -129,9 +161,22 @@ def placement_sim_table(recs):
 def multinode_table(recs):
     """Measured runs, with the simulated ranking beside the measured one per node count."""
     keys = MACHINE + ["model", "kind", "nodes", "strategy"]
-    cols = keys + ["expected", "ms_per_token", "expected_rank", "measured_rank", "max_abs_logit_diff",
-                   "bytes_per_token", "rtt_ms_median", "bare_rtt_ms_median", "rtt_vs_bare", "remote_share", "wire",
-                   "moves", "replacements", "runs"]
+    cols = keys + [
+        "expected",
+        "ms_per_token",
+        "expected_rank",
+        "measured_rank",
+        "max_abs_logit_diff",
+        "bytes_per_token",
+        "rtt_ms_median",
+        "bare_rtt_ms_median",
+        "rtt_vs_bare",
+        "remote_share",
+        "wire",
+        "moves",
+        "replacements",
+        "runs",
+    ]
     rows = []
     for r in recs:
         row = dict.fromkeys(["strategy"])
@@ -142,7 +187,9 @@ def multinode_table(recs):
         return pd.DataFrame(columns=cols)
     bare = df[df["kind"] == "bare_exchange"].set_index(MACHINE + ["model", "nodes"])["rtt_ms_median"]
     meas = df[df["kind"] == "measured"].copy()
-    meas["bare_rtt_ms_median"] = [bare.get(tuple(r[k] for k in MACHINE + ["model", "nodes"])) for _, r in meas.iterrows()]
+    meas["bare_rtt_ms_median"] = [
+        bare.get(tuple(r[k] for k in MACHINE + ["model", "nodes"])) for _, r in meas.iterrows()
+    ]
     meas["rtt_vs_bare"] = meas["rtt_ms_median"] / meas["bare_rtt_ms_median"]
     grp = meas.groupby(MACHINE + ["model", "nodes"])
     meas["expected_rank"] = grp["expected"].rank(method="min")
@@ -152,8 +199,16 @@ def multinode_table(recs):
 
 def sync_table(recs):
     keys = MACHINE + ["model", "tier", "prompt_set", "slots", "install", "sync"]
-    cols = keys + ["tok_s", "stall_ms_per_token", "per_miss_stall_ms", "per_miss_array_ms", "per_miss_install_ms",
-                   "misses", "tokens", "runs"]
+    cols = keys + [
+        "tok_s",
+        "stall_ms_per_token",
+        "per_miss_stall_ms",
+        "per_miss_array_ms",
+        "per_miss_install_ms",
+        "misses",
+        "tokens",
+        "runs",
+    ]
     df = latest(online_rows(recs), keys)
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
@@ -169,8 +224,16 @@ def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
     for r in recs:
-        res, base = r["result"], dict(**machine_cols(r), bench=res_get(r, "bench"), model=res_get(r, "model"),
-                                      started_utc=r["started_utc"], run_id=r["run_id"])
+        res, base = (
+            r["result"],
+            dict(
+                **machine_cols(r),
+                bench=res_get(r, "bench"),
+                model=res_get(r, "model"),
+                started_utc=r["started_utc"],
+                run_id=r["run_id"],
+            ),
+        )
         figs = {}
         if base["bench"] == "throughput":
             figs = {f"tok_s[{k}]": v for k, v in res["tok_s"].items()}
@@ -233,9 +296,20 @@ def claims_table(tables):
 
     def add(claim, paper, paper_ratio, machine, reproduced, ratio, source, direction=None, within=None, note=""):
         d, w = _agree(paper_ratio, ratio)
-        rows.append(dict(claim=claim, paper=paper, paper_ratio=paper_ratio, machine=machine, reproduced=reproduced,
-                         ratio=ratio, direction=direction or d, within_tolerance=within or w, note=note,
-                         source=source))
+        rows.append(
+            dict(
+                claim=claim,
+                paper=paper,
+                paper_ratio=paper_ratio,
+                machine=machine,
+                reproduced=reproduced,
+                ratio=ratio,
+                direction=direction or d,
+                within_tolerance=within or w,
+                note=note,
+                source=source,
+            )
+        )
 
     def usable(name):
         df = tables[name]
@@ -248,25 +322,51 @@ def claims_table(tables):
         for inst, gi in w.groupby("variant", sort=True):
             v = gi.set_index("slots")["value"]
             if 8 in v and 64 in v:
-                add(f"slot write cost does not grow with the buffer ({inst}; S=64 / S=8)",
-                    "0.305 ms at 64 slots, buffer reused", 1.0, mname,
-                    f"{v[8]:.3f} ms at 8, {v[64]:.3f} ms at 64", v[64] / v[8], "tables/design")
+                add(
+                    f"slot write cost does not grow with the buffer ({inst}; S=64 / S=8)",
+                    "0.305 ms at 64 slots, buffer reused",
+                    1.0,
+                    mname,
+                    f"{v[8]:.3f} ms at 8, {v[64]:.3f} ms at 64",
+                    v[64] / v[8],
+                    "tables/design",
+                )
         k = g[g["measure"] == "kernel"].set_index("variant")["value"]
         if {"gather_qmm", "loop_quantized_matmul", "restack_gather_qmm"} <= set(k.index):
-            add("per-expert loop vs gather_qmm (loop / gather_qmm)", "0.43 vs 0.26 ms", 0.43 / 0.26, mname,
+            add(
+                "per-expert loop vs gather_qmm (loop / gather_qmm)",
+                "0.43 vs 0.26 ms",
+                0.43 / 0.26,
+                mname,
                 f"{k['loop_quantized_matmul']:.3f} vs {k['gather_qmm']:.3f} ms",
-                k["loop_quantized_matmul"] / k["gather_qmm"], "tables/design")
-            add("restack vs gather_qmm (restack / gather_qmm)", "0.50 vs 0.26 ms", 0.50 / 0.26, mname,
+                k["loop_quantized_matmul"] / k["gather_qmm"],
+                "tables/design",
+            )
+            add(
+                "restack vs gather_qmm (restack / gather_qmm)",
+                "0.50 vs 0.26 ms",
+                0.50 / 0.26,
+                mname,
                 f"{k['restack_gather_qmm']:.3f} vs {k['gather_qmm']:.3f} ms",
-                k["restack_gather_qmm"] / k["gather_qmm"], "tables/design")
+                k["restack_gather_qmm"] / k["gather_qmm"],
+                "tables/design",
+            )
         par = g[g["measure"] == "parity"]
         for model, gp in par.groupby("model", sort=True):
             v = gp.set_index("variant")["value"]
             if "unfused" in v and "compiled_swiglu" in v:
                 ok = "yes" if v["unfused"] > 0 and v["compiled_swiglu"] == 0.0 else "no"
-                add(f"activation parity: unfused vs compiled SwiGLU ({model}, max |dlogit|)", "0.0195 vs 0.0", None,
-                    mname, f"{v['unfused']:.4g} vs {v['compiled_swiglu']:.4g}", None, "tables/design",
-                    direction=ok, within="n/a (exact)")
+                add(
+                    f"activation parity: unfused vs compiled SwiGLU ({model}, max |dlogit|)",
+                    "0.0195 vs 0.0",
+                    None,
+                    mname,
+                    f"{v['unfused']:.4g} vs {v['compiled_swiglu']:.4g}",
+                    None,
+                    "tables/design",
+                    direction=ok,
+                    within="n/a (exact)",
+                )
 
     bench = usable("bench")
     miss = bench[(bench["bench"] == "miss") & (bench["tier"] == "page_cache")] if bench is not None else None
@@ -275,10 +375,16 @@ def claims_table(tables):
         keys = ["copy_split_ms[pread]", "copy_split_ms[array]", "copy_split_ms[install]"]
         if all(k in v for k in keys):
             p, a_, i = (v[k] for k in keys)
-            add(f"per-miss cost split: pread vs array creation ({m[2]}, copy mode; pread / array)",
-                "0.21 ms = 0.13 pread + 0.06 array + 0.02 install", 0.13 / 0.06, f"{m[0]} {m[1]}",
-                f"pread {p:.3f} + array {a_:.3f} + install {i:.3f} ms", p / a_, "tables/bench",
-                note="pread summed over the reader threads of a batch of 8 misses")
+            add(
+                f"per-miss cost split: pread vs array creation ({m[2]}, copy mode; pread / array)",
+                "0.21 ms = 0.13 pread + 0.06 array + 0.02 install",
+                0.13 / 0.06,
+                f"{m[0]} {m[1]}",
+                f"pread {p:.3f} + array {a_:.3f} + install {i:.3f} ms",
+                p / a_,
+                "tables/bench",
+                note="pread summed over the reader threads of a batch of 8 misses",
+            )
 
     sync = usable("sync_ablation")
     paper_sync = {"general": (28, 51), "code": (41, 73)}
@@ -290,15 +396,26 @@ def claims_table(tables):
         dev, chip, model, pset, inst, S = key
         mname = f"{dev} {chip}"
         before, after = paper_sync[pset]
-        add(f"batched reads vs per-miss sync, tok/s at {S} slots ({pset}; {model}, {inst})",
-            f"{before} -> {after} tok/s", after / before, mname,
+        add(
+            f"batched reads vs per-miss sync, tok/s at {S} slots ({pset}; {model}, {inst})",
+            f"{before} -> {after} tok/s",
+            after / before,
+            mname,
             f"{v.loc['per_miss', 'tok_s']:.1f} -> {v.loc['batched', 'tok_s']:.1f} tok/s",
-            v.loc["batched", "tok_s"] / v.loc["per_miss", "tok_s"], "tables/sync_ablation",
-            note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens")
-        add(f"stall halved by batching ({pset}; {model}, {inst}; batched / per-miss)", "halved", 0.5, mname,
+            v.loc["batched", "tok_s"] / v.loc["per_miss", "tok_s"],
+            "tables/sync_ablation",
+            note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens",
+        )
+        add(
+            f"stall halved by batching ({pset}; {model}, {inst}; batched / per-miss)",
+            "halved",
+            0.5,
+            mname,
             f"{v.loc['per_miss', 'stall_ms_per_token']:.2f} -> {v.loc['batched', 'stall_ms_per_token']:.2f} ms/token",
-            v.loc["batched", "stall_ms_per_token"] / v.loc["per_miss", "stall_ms_per_token"], "tables/sync_ablation",
-            note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens")
+            v.loc["batched", "stall_ms_per_token"] / v.loc["per_miss", "stall_ms_per_token"],
+            "tables/sync_ablation",
+            note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens",
+        )
 
     wire = usable("wire_ablation")
     for key, g in wire.groupby(["device", "chip", "model"], sort=True) if wire is not None else ():
@@ -313,11 +430,29 @@ def claims_table(tables):
         else:
             ok = "yes" if f16 == 0.0 and own == 0.0 else "no"
             claim = f"float16 wire exact for a float16 model ({key[2]})"
-        add(claim, "Qwen3 (bf16): 0.65 vs 0.0; OLMoE (f16): exact", None, f"{key[0]} {key[1]}",
-            f"float16 wire {f16:.4g}, model dtype {own:.4g}", None, "tables/wire_ablation",
-            direction=ok, within="n/a (exact)")
-    cols = ["claim", "paper", "paper_ratio", "machine", "reproduced", "ratio", "direction", "within_tolerance", "note",
-            "source"]
+        add(
+            claim,
+            "Qwen3 (bf16): 0.65 vs 0.0; OLMoE (f16): exact",
+            None,
+            f"{key[0]} {key[1]}",
+            f"float16 wire {f16:.4g}, model dtype {own:.4g}",
+            None,
+            "tables/wire_ablation",
+            direction=ok,
+            within="n/a (exact)",
+        )
+    cols = [
+        "claim",
+        "paper",
+        "paper_ratio",
+        "machine",
+        "reproduced",
+        "ratio",
+        "direction",
+        "within_tolerance",
+        "note",
+        "source",
+    ]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -334,8 +469,9 @@ def write_claims(df, path):
     cols = ["claim", "paper", "machine", "reproduced", "ratio", "paper_ratio", "direction", "within_tolerance", "note"]
     lines = [CLAIMS_HEADER, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in df.reindex(columns=cols).itertuples(index=False):
-        cells = [(f"{v:.3g}" if isinstance(v, float) and v == v else ("" if v is None or v != v else str(v)))
-                 for v in row]
+        cells = [
+            (f"{v:.3g}" if isinstance(v, float) and v == v else ("" if v is None or v != v else str(v))) for v in row
+        ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("\n".join(lines) + "\n")

@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import logged  # noqa: E402
 
-from engine import inventory  # noqa: E402
+from harness import inventory  # noqa: E402
 
 with logged(snakemake):
     print(f"probe: {inventory.write_probe()}")

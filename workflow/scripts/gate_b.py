@@ -5,7 +5,7 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import run_gate  # noqa: E402
 
-from engine import design  # noqa: E402
+from harness import design  # noqa: E402
 
 s = snakemake.params.settings
 

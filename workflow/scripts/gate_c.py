@@ -5,9 +5,25 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import run_gate  # noqa: E402
 
-from engine import online  # noqa: E402
+from harness import online  # noqa: E402
 
 s, wc = snakemake.params.settings, snakemake.wildcards
-run_gate(snakemake, "C", "prefetch_online", lambda: online.sweep(
-    wc.model, wc.tier, wc.pset, s["slots"], s["predictors"], s["depths"], s["prompts"], s["tokens"],
-    readers=s["readers"], fit_tokens=s["fit_tokens"], size=s["predict_size"], progress=lambda r: print(r, flush=True)))
+run_gate(
+    snakemake,
+    "C",
+    "prefetch_online",
+    lambda: online.sweep(
+        wc.model,
+        wc.tier,
+        wc.pset,
+        s["slots"],
+        s["predictors"],
+        s["depths"],
+        s["prompts"],
+        s["tokens"],
+        readers=s["readers"],
+        fit_tokens=s["fit_tokens"],
+        size=s["predict_size"],
+        progress=lambda r: print(r, flush=True),
+    ),
+)

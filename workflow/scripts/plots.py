@@ -3,9 +3,8 @@
 import sys
 
 sys.path.insert(0, snakemake.scriptdir)
-from _common import logged  # noqa: E402
-
 import plotting  # noqa: E402
+from _common import logged  # noqa: E402
 
 with logged(snakemake):
     plotting.build(snakemake.wildcards.figdir)

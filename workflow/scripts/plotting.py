@@ -9,8 +9,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 LINES = {"none": "-", "popularity": ":", "previous": "-.", "transition": "--", "probe": (0, (5, 1)), "oracle": "-"}
-COLORS = {"none": "C0", "popularity": "C2", "previous": "C4", "transition": "C3", "probe": "C1", "oracle": "k",
-          "lru": "C7", "belady": "C8"}
+COLORS = {
+    "none": "C0",
+    "popularity": "C2",
+    "previous": "C4",
+    "transition": "C3",
+    "probe": "C1",
+    "oracle": "k",
+    "lru": "C7",
+    "belady": "C8",
+}
 
 
 def _read(figdir, name):
@@ -82,8 +90,15 @@ def _online(figdir, name, column, ylabel, title):
             if pred not in ("none", "oracle"):
                 h = h[h["depth"] == h["depth"].min()]
             h = h.sort_values("slots")
-            ax.plot(h["slots"], h[column], linestyle=LINES.get(pred, "-"), marker="o" if pset == "general" else "s",
-                    color=COLORS.get(pred), label=f"{pred} ({pset})", linewidth=2 if pred in ("none", "oracle") else 1)
+            ax.plot(
+                h["slots"],
+                h[column],
+                linestyle=LINES.get(pred, "-"),
+                marker="o" if pset == "general" else "s",
+                color=COLORS.get(pred),
+                label=f"{pred} ({pset})",
+                linewidth=2 if pred in ("none", "oracle") else 1,
+            )
         if column == "tok_s":
             positive = g.loc[g[column] > 0, column]
             if len(positive) and positive.max() > 10 * positive.min():
@@ -94,7 +109,7 @@ def _online(figdir, name, column, ylabel, title):
         ax.set_title(f"{key[1]}, {key[2]} tier\n{key[0]}", fontsize=8)
         ax.set_xlabel("slots per layer")
         ax.set_ylabel(ylabel)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=6)
@@ -108,12 +123,16 @@ def miss_breakdown(figdir):
     if df.empty:
         return _empty(figdir, "miss_breakdown", "demand misses")
     df = df.groupby(["device", "model", "tier", "slots"], as_index=False)[
-        ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]].mean()
+        ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]
+    ].mean()
     labels = [f"{r.model}\n{r.tier} S={r.slots}\n{r.device}" for r in df.itertuples()]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(df)), 4))
     bottom = 0
-    for col, name in (("per_miss_pread_ms", "pread (summed over readers)"), ("per_miss_array_ms", "array creation"),
-                      ("per_miss_install_ms", "install")):
+    for col, name in (
+        ("per_miss_pread_ms", "pread (summed over readers)"),
+        ("per_miss_array_ms", "array creation"),
+        ("per_miss_install_ms", "install"),
+    ):
         ax.bar(labels, df[col], bottom=bottom, label=name)
         bottom = bottom + df[col]
     ax.plot(labels, df["per_miss_stall_ms"], "k_", markersize=20, label="stall per miss (wall)")
@@ -140,15 +159,16 @@ def predictor_recall(figdir):
         g = df[(df["model"] == model) & (df["prompt_set"] == pset)]
         for pred, h in g.groupby("predictor"):
             h = h.sort_values("depth")
-            ax.plot(h["depth"], h["recall"], marker="o", linestyle=LINES.get(pred, "-"), color=COLORS.get(pred),
-                    label=pred)
+            ax.plot(
+                h["depth"], h["recall"], marker="o", linestyle=LINES.get(pred, "-"), color=COLORS.get(pred), label=pred
+            )
         ax.set_title(f"{model}, {pset}", fontsize=8)
         ax.set_xlabel("depth d")
         ax.set_ylabel("recall at top-k")
         ax.set_ylim(0, 1.05)
         ax.set_xticks(depths)
         ax.set_xlim(min(depths) - 0.3, max(depths) + 0.3)  # a panel with d=1 only keeps the same axis
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     # One legend for every panel: not every model has every predictor.
     legend = {}
@@ -213,8 +233,9 @@ def placement(figdir):
         s = s[s["capacity_share"] == s["capacity_share"].min()]
         for (strategy, n), g in s.groupby(["strategy", "nodes"]):
             g = g.sort_values("link")
-            axes[0].plot(g["link"], g["replayed"], marker="o", linestyle=LINES.get(strategy, "-"),
-                         label=f"{strategy}, {n} nodes")
+            axes[0].plot(
+                g["link"], g["replayed"], marker="o", linestyle=LINES.get(strategy, "-"), label=f"{strategy}, {n} nodes"
+            )
         axes[0].set_xscale("log")
         axes[0].set_xlabel("link cost rho (units of c)")
         axes[0].set_ylabel("cost per token (replayed on eval traces)")

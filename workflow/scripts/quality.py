@@ -6,8 +6,14 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import run_gate  # noqa: E402
 
-from engine import online  # noqa: E402
+from harness import online  # noqa: E402
 
 s, wc = snakemake.params.settings, snakemake.wildcards
-run_gate(snakemake, "C", "predictor_quality", lambda: online.quality(
-    wc.model, wc.pset, s["predictors"], s["depths"], s["slots"], s["fit_tokens"], s["predict_size"]))
+run_gate(
+    snakemake,
+    "C",
+    "predictor_quality",
+    lambda: online.quality(
+        wc.model, wc.pset, s["predictors"], s["depths"], s["slots"], s["fit_tokens"], s["predict_size"]
+    ),
+)

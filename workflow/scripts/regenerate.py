@@ -4,10 +4,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, snakemake.scriptdir)
-from _common import logged  # noqa: E402
-
 import aggregate  # noqa: E402
 import plotting  # noqa: E402
+from _common import logged  # noqa: E402
 
 with logged(snakemake):
     figdir = Path(snakemake.params.figdir)

@@ -6,8 +6,12 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import run_gate  # noqa: E402
 
-from engine import routing  # noqa: E402
+from harness import routing  # noqa: E402
 
 s, wc = snakemake.params.settings, snakemake.wildcards
-run_gate(snakemake, "C", "routing", lambda: routing.stats(wc.model, s["fit_tokens"], s["predict_size"],
-                                                                  snakemake.params.depths))
+run_gate(
+    snakemake,
+    "C",
+    "routing",
+    lambda: routing.stats(wc.model, s["fit_tokens"], s["predict_size"], snakemake.params.depths),
+)

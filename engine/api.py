@@ -1,0 +1,31 @@
+"""The public face: load a model as an engine, decode with it."""
+
+from .config import EngineConfig
+from .models import registry
+from .predict import fitting
+from .runtime import prefetch, store
+from .runtime.engine import Engine
+
+
+def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **options) -> Engine:
+    """An `Engine` for a registered model: `config` (or `EngineConfig` fields as keywords) says
+    how many slots, which install and prefetch. A fitted predictor is fitted on first use (its
+    traces and fit are cached under the resources folder) and reused afterwards."""
+    if config is None:
+        config = EngineConfig(**options)
+    elif options:
+        raise TypeError("give either config or EngineConfig fields as keywords, not both")
+    model, tokenizer, spec, path = registry.load(model_id, lazy=True)
+    if prefetcher is None and config.predictor != "none":
+        top_k = next(model.layers[li].mlp.top_k for li, _ in store.moe_layers(model))
+        pred = fitting.get_predictor(
+            model_id,
+            config.predictor,
+            config.depth,
+            config.predict_size or top_k,
+            config.fit_set,
+            config.trace_tokens,
+            config.min_prob,
+        )
+        prefetcher = prefetch.make(config.predictor, config.depth, pred)
+    return Engine(model, tokenizer, spec, path, config, prefetcher)

@@ -1,0 +1,326 @@
+"""Command line (`python -m engine`, or `titan`): {list,build,pin,store,decode,trace,fit,train,version} ...
+
+Every option is checked before anything loads: a bad value is an error naming the option."""
+
+import argparse
+import json
+import os
+import sys
+
+from . import api, versions
+from .config import EngineConfig, resources_dir
+from .device import kind as device_kind
+from .models import embedded, registry, train
+from .predict import fitting, predictors, prompts, trace
+from .runtime import store as store_mod
+from .runtime.engine import open_store, store_dir
+from .runtime.loop import decode, summarize
+from .runtime.staging import StagingError
+
+
+def positive(value: str) -> int:
+    n = _int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def non_negative(value: str) -> int:
+    n = _int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {n}")
+    return n
+
+
+def probability(value: str) -> float:
+    try:
+        q = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0.0 <= q <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], not {q}")
+    return q
+
+
+def _int(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+
+
+def add_engine_args(p):
+    p.add_argument("--model", default="olmoe-tiny", help="model id from the registry (default: olmoe-tiny)")
+    p.add_argument("--slots", type=positive, default=None, help="slots per MoE layer (default: every expert)")
+    p.add_argument(
+        "--tier", choices=["page_cache", "cold"], default="page_cache", help="storage tier of the expert store"
+    )
+    p.add_argument(
+        "--install",
+        choices=["auto", "inplace", "copy", "pinned"],
+        default="auto",
+        help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write; "
+        "pinned: pinned staging and a copy kernel (CUDA); auto: inplace on the CPU, pinned on a "
+        "CUDA GPU, copy on other GPUs",
+    )
+    p.add_argument(
+        "--sync",
+        choices=["batched", "per_miss"],
+        default="batched",
+        help="per_miss: read misses one at a time and evaluate the slot table after each (ablation)",
+    )
+    p.add_argument("--readers", type=positive, default=4, help="reader threads of the expert store")
+    p.add_argument(
+        "--eviction", choices=["lru", "lfu", "lru-predicted"], default="lru", help="eviction policy of the slot tables"
+    )
+    p.add_argument(
+        "--predictor", choices=list(predictors.NAMES), default="none", help="what to prefetch (none: demand loading)"
+    )
+    p.add_argument("--depth", type=positive, default=1, help="prefetch depth d: layer l prefetches layer l+d")
+    p.add_argument("--predict-size", type=positive, default=None, help="experts predicted per layer (default: top_k)")
+    p.add_argument(
+        "--min-prob",
+        type=probability,
+        default=0.0,
+        help="issue only predicted experts at least this likely (fitted predictors; default 0: all)",
+    )
+    p.add_argument(
+        "--fit-set",
+        choices=list(prompts.SETS),
+        default="general",
+        help="prompt set whose fit traces fitted predictors learn from",
+    )
+    p.add_argument(
+        "--verify",
+        choices=["first", "always", "never"],
+        default="first",
+        help="check an expert's checksum on its first read (default), every read, or never",
+    )
+
+
+def engine_config(a) -> EngineConfig:
+    return EngineConfig(
+        slots=a.slots,
+        tier=a.tier,
+        install=a.install,
+        sync=a.sync,
+        readers=a.readers,
+        eviction=a.eviction,
+        verify=a.verify,
+        predictor=a.predictor,
+        depth=a.depth,
+        predict_size=a.predict_size,
+        min_prob=a.min_prob,
+        fit_set=a.fit_set,
+    )
+
+
+def cmd_list(a):
+    for mid, spec in registry.load_registry().items():
+        if spec["kind"] == "real":
+            state = f"{spec['repo']} @ {spec['revision'] or 'not pinned'}"
+        else:
+            built = (resources_dir() / "models" / mid / embedded.MANIFEST).exists()
+            state = (
+                f"{spec['architecture']} {spec['dtype']} E={spec['experts']} K={spec['top_k']} L={spec['layers']} "
+                + ("built" if built else "not built")
+            )
+        print(f"{mid:24s} {spec['kind']:9s} {state}")
+
+
+def cmd_build(a):
+    spec = registry.get_spec(a.model)
+    if spec["kind"] != "embedded":
+        raise registry.RegistryError(f"model '{a.model}' is real: it is pinned and loaded, never built")
+    out = resources_dir() / "models" / a.model
+    if a.force or not out.exists():
+        embedded.build(spec, out)
+    else:
+        embedded.check_or_build(spec, out)
+    print(out)
+
+
+def cmd_pin(a):
+    rev = registry.pin(a.model)
+    print(f"{a.model}: revision {rev} written to {registry.get_spec(a.model)['source']}")
+
+
+def cmd_store(a):
+    model, _, spec, path = registry.load(a.model, lazy=True)
+    if a.action == "build":
+        if a.force or not (store_dir(a.model) / "index.json").exists():
+            store_mod.build(model, path, store_dir(a.model), a.model)
+        print(store_dir(a.model))
+    else:
+        with open_store(a.model, model, path, build=False) as s:
+            s.verify_all()
+            print(f"{s.path}: {sum(l['experts'] for l in s.layers)} experts in {s.num_layers} layers verified")
+
+
+def cmd_decode(a):
+    eng = api.load(a.model, engine_config(a))
+    try:
+        tok = eng.tokenizer
+        ids = tok.encode(a.prompt)
+        if not ids:
+            raise ValueError("--prompt: the prompt encodes to no token; give some text")
+        if a.predictor == "oracle":
+            # The oracle reads this very run: record it first with plain mlx-lm (same tokens).
+            eng.bind_oracle(trace.record(registry.load_reference(a.model)[0], ids, a.tokens)["experts"])
+        tokens, records, _ = decode(eng.model, ids, a.tokens, eos_id=tok.eos_token_id if a.stop_at_eos else None)
+        s = summarize(records)
+        if a.json:
+            print(json.dumps(dict(summary=s, counters=eng.counters(), steps=records, text=tok.decode(tokens))))
+            return
+        print(a.prompt + tok.decode(tokens))
+        print("---")
+        if not s:
+            print(f"{a.model}: prefill only (--tokens 0)")
+            return
+        hr = "n/a (all resident)" if s.get("hit_rate") is None else f"{s['hit_rate']:.3f}"
+        print(
+            f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.tables[0].install_mode}: "
+            f"{s['tok_s']:.2f} tok/s over {s['tokens']} tokens, hit rate {hr}, "
+            f"{s['bytes_read_per_token'] / 1e6:.2f} MB read/token, stall {1e3 * s['stall_s_per_token']:.2f} ms/token"
+        )
+        if s.get("misses"):
+            print(
+                f"per miss: pread {s['per_miss_pread_ms']:.3f} ms (summed over readers), "
+                f"array {s['per_miss_array_ms']:.3f} ms, install {s['per_miss_install_ms']:.3f} ms, "
+                f"stall {s['per_miss_stall_ms']:.3f} ms"
+            )
+        if a.predictor != "none":
+            print(
+                f"prefetch {a.predictor} d={a.depth}: "
+                + " ".join(f"{k}={s[k]}" for k in ("issued", "useful", "wasted", "late", "cancelled"))
+                + f" late_stall={1e3 * s['late_stall_s_per_token']:.2f} ms/token"
+            )
+        print("counters: " + " ".join(f"{k}={v}" for k, v in eng.counters().items()))
+    finally:
+        eng.close()
+
+
+def cmd_trace(a):
+    print(trace.run(a.model, a.set, a.split, a.tokens, limit=a.limit))
+
+
+def cmd_fit(a):
+    size = a.size or registry.get_spec(a.model).get("top_k") or 8
+    pred = fitting.fitted_predictor(a.model, a.predictor, a.depth, size, a.set, a.tokens, refit=True)
+    print(predictors.fitted_path(a.model, a.set, a.predictor, a.depth, size, a.tokens))
+    eval_path = trace.trace_path(a.model, a.set, "eval", a.tokens)
+    if not eval_path.exists():
+        trace.run(a.model, a.set, "eval", a.tokens)
+    q = predictors.quality(pred, trace.load(eval_path))
+    print(
+        f"{a.predictor} d={a.depth} m={size} on the held-out {a.set} eval prompts: "
+        f"precision {q['precision']:.3f} recall {q['recall']:.3f} over {q['n']} predictions"
+    )
+
+
+def cmd_train(a):
+    spec = registry.get_spec(a.model)
+    if "training" not in spec:
+        raise registry.RegistryError(f"model '{a.model}' has no training block in {spec['source']}")
+    out = train.train(a.model)
+    last = out["curve"][-1]
+    print(f"{a.model}: {len(out['curve'])} steps, final loss {last['loss']:.4f}; " + ", ".join(out["outputs"].values()))
+
+
+def cmd_version(a):
+    print(
+        json.dumps(
+            dict(versions=dict(versions.versions(), **{"engine-code": versions.code_digest()}), device=device_kind()),
+            sort_keys=True,
+        )
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    ap.add_argument(
+        "--models",
+        default=None,
+        metavar="FILE",
+        help="a models file that extends the packaged registry (default: $TITAN_MODELS, else "
+        "configs/models.yaml here if present)",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("list", help="the registered models and whether they are built")
+    p.set_defaults(fn=cmd_list)
+
+    p = sub.add_parser("build", help="build an embedded model (deterministic from its spec and seed)")
+    p.add_argument("model")
+    p.add_argument("--force", action="store_true", help="rebuild even if built")
+    p.set_defaults(fn=cmd_build)
+
+    p = sub.add_parser("pin", help="write the commit of the locally cached copy of a real model into its models file")
+    p.add_argument("model")
+    p.set_defaults(fn=cmd_pin)
+
+    p = sub.add_parser("store", help="build or verify a model's expert store")
+    p.add_argument("action", choices=["build", "verify"])
+    p.add_argument("model")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.set_defaults(fn=cmd_store)
+
+    p = sub.add_parser("decode", help="greedy decoding through the engine; prints the text and tok/s")
+    add_engine_args(p)
+    p.add_argument("--tokens", type=non_negative, default=64, help="tokens to generate after the prompt")
+    p.add_argument("--prompt", default="The Python language", help="prompt text")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop at the end-of-text token")
+    p.add_argument("--json", action="store_true", help="print one JSON object with every step's figures")
+    p.set_defaults(fn=cmd_decode)
+
+    p = sub.add_parser(
+        "trace", help="record routing traces (experts, router probabilities, hidden states) over a prompt set"
+    )
+    p.add_argument("--model", default="olmoe-tiny")
+    p.add_argument("--set", choices=list(prompts.SETS), default="general")
+    p.add_argument("--split", choices=list(prompts.SPLITS), default="fit")
+    p.add_argument("--tokens", type=non_negative, default=32, help="decode tokens per prompt after its prefill")
+    p.add_argument("--limit", type=positive, default=None, help="only the first N prompts")
+    p.set_defaults(fn=cmd_trace)
+
+    p = sub.add_parser("fit", help="fit a predictor on the fit traces and score it on the eval traces")
+    p.add_argument("--model", default="olmoe-tiny")
+    p.add_argument("--set", choices=list(prompts.SETS), default="general")
+    p.add_argument("--predictor", choices=list(predictors.FITTED), default="transition")
+    p.add_argument("--depth", type=positive, default=1)
+    p.add_argument("--size", type=positive, default=None, help="experts predicted per layer (default: top_k)")
+    p.add_argument("--tokens", type=non_negative, default=32, help="decode tokens per prompt in the traces")
+    p.set_defaults(fn=cmd_fit)
+
+    p = sub.add_parser("train", help="train a model with a training block (e.g. olmoe-trained)")
+    p.add_argument("model", nargs="?", default="olmoe-trained")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("version", help="this node's mlx, mlx-lm and engine versions and device, as JSON")
+    p.set_defaults(fn=cmd_version)
+    return ap
+
+
+ERRORS = (
+    registry.RegistryError,
+    embedded.BuildError,
+    store_mod.StoreError,
+    trace.TraceError,
+    StagingError,
+    ValueError,
+    FileNotFoundError,
+)
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    if a.models:
+        if not os.path.exists(a.models):
+            print(f"error: --models: {a.models}: no such models file", file=sys.stderr)
+            sys.exit(2)
+        os.environ["TITAN_MODELS"] = a.models
+    try:
+        a.fn(a)
+    except ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,45 @@
+"""What a user sets: the engine's options (`EngineConfig`) and where Titan keeps its files.
+
+Built models, expert stores, traces and fitted predictors go under the *resources* folder:
+`$TITAN_RESOURCES` if set; else `resources/` of the source checkout the engine runs from (as in
+this repository); else `~/.cache/titan` (an installed wheel).
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+DATA = PACKAGE / "data"
+
+
+def checkout() -> Path | None:
+    """The source checkout this package runs from (editable install or plain tree), if any."""
+    root = PACKAGE.parent
+    return root if (root / "pyproject.toml").exists() and (root / "engine" / "data").is_dir() else None
+
+
+def resources_dir() -> Path:
+    if os.environ.get("TITAN_RESOURCES"):
+        return Path(os.environ["TITAN_RESOURCES"])
+    root = checkout()
+    return root / "resources" if root else Path.home() / ".cache" / "titan"
+
+
+@dataclass
+class EngineConfig:
+    slots: int | None = None  # None: every expert resident (S = E)
+    tier: str = "page_cache"
+    install: str = "auto"  # inplace on the CPU, pinned on a CUDA GPU (engine.device says why)
+    sync: str = "batched"  # or per_miss: the paper's first version, for its ablation
+    readers: int = 4
+    eviction: str = "lru"
+    verify: str = "first"
+    predictor: str = "none"
+    depth: int = 1
+    predict_size: int | None = None  # None: top_k
+    min_prob: float = 0.0  # fitted predictors issue only experts at least this likely (0: all predicted)
+    fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
+    trace_tokens: int = 32  # decode tokens per prompt in those traces
+    staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
+    overlap: bool = True  # start each MoE layer's compute at once (async) rather than at the next sync

@@ -1,0 +1,1 @@
+"""Models: the registry, embedded builds and training."""

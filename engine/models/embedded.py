@@ -1,0 +1,305 @@
+"""Embedded models: built locally and deterministically in mlx-lm's on-disk format.
+
+The model is instantiated with mlx-lm's own class (`olmoe`, `qwen3_moe`) and quantized with
+mlx-lm's own `quantize_model` (4-bit affine, group 64, the model's own predicate), all lazily:
+only shapes are taken from it. Every parameter is then generated directly from (seed, name):
+random packed 4-bit integers with bounded scales and biases, which is what makes the
+full-size shape buildable in minutes (sampling float weights and quantizing them is not).
+Files are written by hand (sorted tensors, fixed offsets) so that the same spec and seed give
+byte-identical files.
+"""
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import struct
+import sys
+import zlib
+from pathlib import Path
+from pydoc_data import topics
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, quantize_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BUILDER_VERSION = 1
+MANIFEST = "titan-build.json"
+SHARD_BYTES = 1 << 30
+EOS = "<|endoftext|>"
+
+
+class BuildError(ValueError):
+    """An embedded model folder that cannot be used or built as asked."""
+
+
+_ST_DTYPES = {"uint32": "U32", "float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def hf_config(spec) -> dict:
+    """The config.json that mlx-lm reads, for an embedded spec."""
+    common = dict(
+        hidden_size=spec["hidden"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec.get("kv_heads", spec["heads"]),
+        num_experts=spec["experts"],
+        num_experts_per_tok=spec["top_k"],
+        vocab_size=spec["vocab"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=spec.get("tie_word_embeddings", False),
+        torch_dtype=spec["dtype"],
+        eos_token_id=0,
+    )
+    if spec["architecture"] == "olmoe":
+        return dict(
+            common,
+            model_type="olmoe",
+            architectures=["OlmoeForCausalLM"],
+            intermediate_size=spec["expert_width"],
+            norm_topk_prob=spec.get("norm_topk_prob", False),
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            **({"head_dim": spec["head_dim"]} if "head_dim" in spec else {}),
+        )
+    return dict(
+        common,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        intermediate_size=spec.get("dense_width", 4 * spec["hidden"]),
+        moe_intermediate_size=spec["expert_width"],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=spec.get("head_dim", spec["hidden"] // spec["heads"]),
+        norm_topk_prob=spec.get("norm_topk_prob", True),
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+    )
+
+
+def spec_digest(spec) -> str:
+    keep = {k: v for k, v in spec.items() if k not in ("description", "id", "source")}  # where, not what
+    blob = json.dumps({"spec": keep, "builder": BUILDER_VERSION}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _shapes(config):
+    """Parameter names, shapes, dtypes and quantization of mlx-lm's model, built lazily."""
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
+        model, qconfig = quantize_model(model, config, group_size=64, bits=4)
+    quant = {}
+    for name, mod in model.named_modules():
+        if "scales" in mod and "weight" in mod:
+            in_dims = mod.scales.shape[-1] * mod.group_size
+            quant[name] = (mod.bits, mod.group_size, in_dims, type(mod).__name__)
+    params = [(k, tuple(v.shape), v.dtype) for k, v in tree_flatten(model.parameters())]
+    del model
+    mx.clear_cache()
+    return params, quant, qconfig
+
+
+def _rng(seed, name):
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _generate(name, shape, quant, seed, dtype):
+    """One parameter as a NumPy array (float32 for float tensors, cast later)."""
+    rng = _rng(seed, name)
+    owner, _, leaf = name.rpartition(".")
+    if owner in quant:
+        bits, _, in_dims, cls = quant[owner]
+        # Embedding rows are normalised downstream; projections keep unit-scale activations.
+        target = 1.0 if cls == "QuantizedEmbedding" else in_dims**-0.5
+        levels = (1 << bits) - 1
+        if leaf == "weight":
+            return rng.integers(0, 1 << 32, size=shape, dtype=np.uint32)
+        base = target / ((levels + 1) / 12**0.5)
+        scales = base * rng.uniform(0.8, 1.2, size=shape)
+        if leaf == "scales":
+            return scales.astype(np.float32)
+        # biases centre each group: w = s*q + b with q uniform in [0, levels]
+        jitter = _rng(seed, name + "#jitter").uniform(-0.5, 0.5, size=shape)
+        s = _generate(owner + ".scales", shape, quant, seed, dtype)
+        return (-s * (levels / 2 + jitter)).astype(np.float32)
+    if leaf == "weight" and len(shape) == 1:  # norms
+        return np.ones(shape, np.float32)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    return rng.normal(0.0, fan_in**-0.5, size=shape).astype(np.float32)
+
+
+def _tensor_bytes(arr, dtype):
+    """Raw little-endian bytes of a parameter in the model's dtype."""
+
+    if arr.dtype == np.uint32:
+        return arr.tobytes()
+    a = mx.array(arr).astype(getattr(mx, dtype))
+    mx.eval(a)
+    return bytes(memoryview(a).cast("B"))
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Write {name: (st dtype, shape, bytes)} with sorted names and contiguous offsets."""
+    header, off = {}, 0
+    for name in sorted(tensors):
+        st, shape, raw = tensors[name]
+        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+        off += len(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name in sorted(tensors):
+            f.write(tensors[name][2])
+
+
+def _groups(params):
+    """Split parameters into shards: top-level tensors first, then whole layers, <= SHARD_BYTES."""
+
+    def layer_of(name):
+        parts = name.split(".")
+        return int(parts[2]) if name.startswith("model.layers.") else -1
+
+    by_layer = {}
+    for p in params:
+        by_layer.setdefault(layer_of(p[0]), []).append(p)
+    shards, cur, size = [], [], 0
+    for layer in sorted(by_layer):
+        group = by_layer[layer]
+        nbytes = sum(int(np.prod(s)) * d.size for _, s, d in group)
+        if cur and size + nbytes > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = [], 0
+        cur += group
+        size += nbytes
+    shards.append(cur)
+    return shards
+
+
+def corpus_text() -> str:
+    """Prose that ships with Python: the topics of the interactive help, in a fixed order."""
+
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+
+
+def train_tokenizer(vocab_size: int, out: Path, text: str | None = None):
+    """A byte-level BPE trained locally with `tokenizers`; deterministic for fixed text."""
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = corpus_text() if text is None else text
+    lines = text.splitlines()
+    tok.train_from_iterator((lines[i : i + 256] for i in range(0, len(lines), 256)), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "bos_token": None,
+                "pad_token": EOS,
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def build(spec, out: Path):
+    """Build an embedded model into `out` (atomically: a temporary folder, then a rename)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        config = hf_config(spec)
+        params, quant, qconfig = _shapes(config)
+        config["quantization"] = qconfig["quantization"]
+        config["quantization_config"] = qconfig["quantization"]
+        shards = _groups(params)
+        n = len(shards)
+        files = {}
+        for i, shard in enumerate(shards):
+            name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            tensors = {}
+            for pname, shape, dt in shard:
+                dtype = "uint32" if "uint32" in str(dt) else spec["dtype"]
+                raw = _tensor_bytes(_generate(pname, shape, quant, spec["seed"], dtype), dtype)
+                tensors[pname] = (_ST_DTYPES[dtype], shape, raw)
+            write_safetensors(tmp / name, tensors, {"format": "mlx"})
+            files[name] = sorted(tensors)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        train_tokenizer(spec["vocab"], tmp)
+        manifest = {
+            "model": spec["id"],
+            "spec_digest": spec_digest(spec),
+            "builder_version": BUILDER_VERSION,
+            "files": {f: sha256_file(tmp / f) for f in sorted(os.listdir(tmp))},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        for f in os.listdir(tmp):
+            fd = os.open(tmp / f, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_or_build(spec, out: Path, allow_build: bool = True):
+    """Build `out` if absent; refuse a folder built from another spec (nothing is deleted)."""
+    manifest = Path(out) / MANIFEST
+    if not manifest.exists():
+        if Path(out).exists():
+            raise BuildError(f"{out} exists but holds no {MANIFEST}: not an embedded build; move it away")
+        if "training" in spec:
+            base = spec["id"].removesuffix("-f32")
+            raise BuildError(
+                f"model '{spec['id']}' is trained, not built: run `snakemake --cores 2 train` "
+                f"or `python -m engine train {base}` (about 20 minutes on 2 cores)"
+            )
+        if not allow_build:
+            raise BuildError(f"model '{spec['id']}' is not built; run `python -m engine build {spec['id']}`")
+        print(f"[titan] building embedded model {spec['id']} into {out} ...", file=sys.stderr, flush=True)
+        return build(spec, out)
+    try:
+        digest = json.loads(manifest.read_text())["spec_digest"]
+    except (ValueError, KeyError) as e:
+        raise BuildError(f"{manifest}: malformed build manifest ({e})") from None
+    if digest != spec_digest(spec):
+        raise BuildError(
+            f"{out} was built from another spec of '{spec['id']}' than the registry now gives; "
+            f"rebuild it with `python -m engine build {spec['id']} --force`"
+        )
+    return out

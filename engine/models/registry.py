@@ -1,0 +1,222 @@
+"""The model registry: the models Titan knows, each resolved to a local directory in mlx-lm's
+format and loaded with `mlx_lm.load`.
+
+The registry ships with the package (`engine/data/models.yaml`, validated against
+`engine/data/models.schema.yaml`). A user's own models file extends or overrides it, entry by
+entry: `--models FILE` on the command line or `$TITAN_MODELS`, else `configs/models.yaml` in the
+current directory if there is one. Real models are pinned by a 40-hex commit and looked up in a
+local directory or the local Hugging Face cache; nothing is ever downloaded. Embedded models are
+built on demand, deterministically, into the resources folder (`engine.config`).
+"""
+
+import os
+import re
+from pathlib import Path
+
+import jsonschema
+import yaml
+from huggingface_hub import constants
+
+from ..config import DATA, checkout, resources_dir
+from . import embedded
+
+PACKAGED = DATA / "models.yaml"
+SCHEMA = DATA / "models.schema.yaml"
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+
+class RegistryError(ValueError):
+    """A model that cannot be resolved, with what to do about it."""
+
+
+def user_path() -> Path | None:
+    """The user's models file that extends the packaged registry, if any."""
+    if os.environ.get("TITAN_MODELS"):
+        return Path(os.environ["TITAN_MODELS"])
+    local = Path("configs") / "models.yaml"
+    if local.exists() and local.resolve() != PACKAGED.resolve():
+        return local
+    return None
+
+
+def config_path() -> Path:
+    """The file a model's entry is read from last: the user's file, else the packaged one."""
+    return user_path() or PACKAGED
+
+
+def _field(path) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
+
+
+def validate(data, source) -> dict:
+    """Validate a parsed models file against the schema; errors name the field."""
+    schema = yaml.safe_load(SCHEMA.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        raise RegistryError(f"{source}: field {_field(err.absolute_path)}: {err.message}")
+    for mid, spec in data["models"].items():
+        if spec["kind"] != "embedded":
+            continue
+        if spec["top_k"] > spec["experts"]:
+            raise RegistryError(
+                f"{source}: field models.{mid}.top_k: {spec['top_k']} exceeds experts ({spec['experts']})"
+            )
+        head_dim = spec.get("head_dim") or spec["hidden"] // spec["heads"]
+        if spec.get("head_dim") is None and spec["hidden"] % spec["heads"]:
+            raise RegistryError(
+                f"{source}: field models.{mid}.heads: hidden ({spec['hidden']}) is not a multiple of heads"
+            )
+        if spec["heads"] % spec.get("kv_heads", spec["heads"]):
+            raise RegistryError(f"{source}: field models.{mid}.kv_heads: heads is not a multiple of kv_heads")
+        if head_dim % 2:
+            raise RegistryError(f"{source}: field models.{mid}.head_dim: must be even (rotary embedding)")
+    return data["models"]
+
+
+def read_models_file(path) -> dict:
+    """Parse and validate one models file; returns {model id: spec}."""
+    path = Path(path)
+    if not path.exists():
+        raise RegistryError(f"{path}: no such models file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "?"
+        raise RegistryError(f"{path}: {where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    return validate(data, path)
+
+
+def load_registry(path=None) -> dict:
+    """{model id: spec}: the packaged registry extended by the user's models file (or by `path`);
+    each spec's `source` names the file it came from."""
+    models = {mid: dict(spec, source=str(PACKAGED)) for mid, spec in read_models_file(PACKAGED).items()}
+    extra = Path(path) if path else user_path()
+    if extra is not None and extra.resolve() != PACKAGED.resolve():
+        models.update({mid: dict(spec, source=str(extra)) for mid, spec in read_models_file(extra).items()})
+    return models
+
+
+def get_spec(model_id: str, path=None) -> dict:
+    models = load_registry(path)
+    if model_id not in models:
+        extra = path or user_path()
+        where = f"{PACKAGED}" + (f" or {extra}" if extra else "")
+        raise RegistryError(f"unknown model '{model_id}' (not in {where}); known: {', '.join(sorted(models))}")
+    return dict(models[model_id], id=model_id)
+
+
+def _hf_cache() -> Path:
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def _how_to_get(spec) -> str:
+    return (
+        f"Titan never downloads. On a machine with internet run `hf download {spec['repo']}` "
+        f"(or `huggingface-cli download {spec['repo']}`), bring its Hugging Face cache here "
+        f"(HF_HUB_CACHE={_hf_cache()}) or set `path:` for {spec['id']} in {spec.get('source', config_path())}, "
+        f"then run `python -m engine pin {spec['id']}`."
+    )
+
+
+def real_model_dir(spec) -> Path:
+    rev = spec.get("revision")
+    if rev is None:
+        raise RegistryError(
+            f"model '{spec['id']}' has no pinned revision in {spec.get('source', config_path())}. " + _how_to_get(spec)
+        )
+    if not HEX40.match(str(rev)):
+        raise RegistryError(f"model '{spec['id']}': revision {rev!r} is not a 40-hex commit. " + _how_to_get(spec))
+    if spec.get("path"):
+        p = Path(spec["path"]).expanduser()
+        if not (p / "config.json").exists():
+            raise RegistryError(f"model '{spec['id']}': {p} holds no config.json. " + _how_to_get(spec))
+        return p
+    snap = _hf_cache() / ("models--" + spec["repo"].replace("/", "--")) / "snapshots" / rev
+    if not (snap / "config.json").exists():
+        raise RegistryError(
+            f"model '{spec['id']}' ({spec['repo']} at revision {rev}) is not in the local Hugging Face cache. "
+            + _how_to_get(spec)
+        )
+    if not list(snap.glob("model*.safetensors")):
+        raise RegistryError(f"model '{spec['id']}': {snap} holds no model*.safetensors weights. " + _how_to_get(spec))
+    return snap
+
+
+def model_dir(model_id: str, build: bool = True) -> Path:
+    """The local mlx-lm directory of a model; embedded models are built on demand."""
+    spec = get_spec(model_id)
+    if spec["kind"] == "real":
+        return real_model_dir(spec)
+    out = resources_dir() / "models" / model_id
+    try:
+        embedded.check_or_build(spec, out, allow_build=build)
+    except embedded.BuildError as e:
+        raise RegistryError(str(e)) from None
+    return out
+
+
+def load(model_id: str, lazy: bool = False):
+    """Load a model with mlx-lm; returns (model, tokenizer, spec, path)."""
+    import mlx_lm  # imports transformers: slow, and needed only to load a model
+
+    path = model_dir(model_id)
+    model, tokenizer = mlx_lm.load(str(path), lazy=lazy)
+    return model, tokenizer, get_spec(model_id), path
+
+
+def cached_revision(repo: str) -> str:
+    """The commit of the locally cached copy of a Hugging Face repository."""
+    root = _hf_cache() / ("models--" + repo.replace("/", "--"))
+    snaps = sorted(p.name for p in (root / "snapshots").glob("*") if HEX40.match(p.name))
+    ref = root / "refs" / "main"
+    if ref.exists() and ref.read_text().strip() in snaps:
+        return ref.read_text().strip()
+    if len(snaps) == 1:
+        return snaps[0]
+    if not snaps:
+        raise RegistryError(f"{repo} is not in the local Hugging Face cache ({root} has no snapshot)")
+    raise RegistryError(f"{repo}: several cached snapshots and no refs/main; pin one by hand: {', '.join(snaps)}")
+
+
+def pin(model_id: str, path=None) -> str:
+    """Write the commit of the locally cached copy of a real model into the models file that
+    defines it (the user's, or the packaged one in a source checkout)."""
+    spec = get_spec(model_id, path)
+    path = Path(spec["source"])
+    if path.resolve() == PACKAGED.resolve() and checkout() is None:
+        raise RegistryError(
+            f"model '{model_id}' comes from the installed package ({path}); copy its entry into "
+            f"your own models file (--models FILE or $TITAN_MODELS) and pin it there"
+        )
+    if spec["kind"] != "real":
+        raise RegistryError(f"model '{model_id}' is embedded: it is built from its spec, there is nothing to pin")
+    rev = cached_revision(spec["repo"])
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, l in enumerate(lines) if re.match(rf"^\s+{re.escape(model_id)}:\s*$", l))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        m = re.match(r"^(\s+revision:\s*)(\S.*?)?(\s*#.*)?$", line.rstrip("\n"))
+        if m:
+            lines[i] = f"{m.group(1)}{rev}{m.group(3) or ''}\n"
+            break
+    else:
+        raise RegistryError(f"{path}: model '{model_id}' has no revision line to pin")
+    text = "".join(lines)
+    validate(yaml.safe_load(text), path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return rev
+
+
+def load_reference(model_id: str):
+    """The unmodified mlx-lm model, every expert in memory: the bit-exactness reference."""
+    model, tokenizer, spec, _ = load(model_id)
+    return model, tokenizer, spec

@@ -1,0 +1,132 @@
+"""The decode loop and what is said of a decode: per-step records, their summary, the split of
+a token's time, and the one comparison of two runs' logits."""
+
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from .moe import SlotSwitchGLU, StepStats
+
+
+def expert_cache(model):
+    """The ExpertCache of an engine model; None for plain mlx-lm."""
+    for layer in model.layers:
+        sw = getattr(getattr(layer, "mlp", None), "switch_mlp", None)
+        if isinstance(sw, SlotSwitchGLU):
+            return sw._cache
+    return None
+
+
+def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, eos_id=None):
+    """Greedy decoding: one prefill over the prompt, then `max_tokens` single-token steps.
+
+    Works on an engine model and on plain mlx-lm alike. With `forced`, those tokens are fed
+    instead of the model's own choices (teacher forcing, to compare two models step by step).
+    Returns the generated tokens, one record per step (index 0 is the prefill) and, with
+    `keep_logits`, the float32 logits of every step.
+    """
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be at least 0, not {max_tokens}")
+    cache = make_prompt_cache(model)
+    experts = expert_cache(model)
+    stats = experts.stats if experts is not None else StepStats()
+    records, logits_out, tokens = [], [], []
+    inp = mx.array(prompt_ids, dtype=mx.uint32)[None]
+    position = 0
+    for step in range(max_tokens + 1):
+        if experts is not None:
+            experts.begin_step(position, inp.shape[1])
+        position += inp.shape[1]
+        t0 = time.perf_counter()
+        logits = model(inp, cache=cache)
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        mx.eval(y, logits)
+        dt = time.perf_counter() - t0
+        rec = dict(step=step, phase="prefill" if step == 0 else "decode", rows=inp.shape[1], seconds=dt)
+        rec.update(stats.as_dict())
+        records.append(rec)
+        if keep_logits:
+            logits_out.append(np.array(logits.astype(mx.float32))[0])
+        tok = int(y.item()) if forced is None else int(forced[step])
+        tokens.append(tok)
+        if eos_id is not None and tok == eos_id:
+            break
+        inp = mx.array([[tok]], dtype=mx.uint32)
+    return tokens, records, logits_out
+
+
+COUNTS = ("hits", "misses", "issued", "useful", "wasted", "late", "cancelled")
+SECONDS = ("stall_s", "pread_s", "array_s", "install_s", "late_stall_s", "sync_s")
+
+
+def totals(records) -> dict:
+    """The decode steps' records (not the prefill's) added up: tokens, seconds, every counter."""
+    dec = [r for r in records if r["phase"] == "decode"]
+    out = dict(tokens=len(dec), seconds=sum(r["seconds"] for r in dec))
+    for k in COUNTS + SECONDS + ("bytes_read", "chunks"):
+        out[k] = sum(r.get(k, 0) for r in dec)
+    return out
+
+
+def summarize(records) -> dict:
+    """Decode-phase figures: tokens/s, hit rate, bytes, stall and synchronisation per token,
+    prefetch counts, per-miss split. Takes per-step records or their `totals`."""
+    t = records if isinstance(records, dict) else totals(records)
+    n = t["tokens"]
+    if not n:
+        return {}
+    out = dict(
+        tokens=n,
+        tok_s=n / t["seconds"],
+        hits=t["hits"],
+        misses=t["misses"],
+        hit_rate=t["hits"] / (t["hits"] + t["misses"]) if t["hits"] + t["misses"] else None,
+        bytes_read_per_token=t["bytes_read"] / n,
+        stall_s_per_token=t["stall_s"] / n,
+    )
+    for k in ("issued", "useful", "wasted", "late", "cancelled"):
+        out[k] = t[k]
+    out["late_stall_s_per_token"] = t["late_stall_s"] / n
+    out["sync_s_per_token"] = t["sync_s"] / n
+    if t["misses"]:
+        for k in ("pread_s", "array_s", "install_s", "stall_s"):
+            out[f"per_miss_{k[:-2]}_ms"] = 1e3 * t[k] / t["misses"]
+    return out
+
+
+SPLIT = ("sync_s", "stall_s", "array_s", "install_s")
+
+
+def time_split(records) -> dict:
+    """Where a decode token's time goes, in ms per token: waiting at the host synchronisations
+    (the device's compute up to each MoE layer, and the synchronisation itself), waiting for reads,
+    making arrays or enqueueing copy kernels, installs, and the rest (the host building the graph)."""
+    t = totals(records)
+    if not t["tokens"]:
+        return {}
+    out = {k[:-2]: 1e3 * t[k] / t["tokens"] for k in SPLIT}
+    total = 1e3 * t["seconds"] / t["tokens"]
+    out["other"] = total - sum(out.values())
+    out["total"] = total
+    return out
+
+
+def max_abs_diff(a, b) -> float:
+    """The largest |Δlogit| between two runs' per-step logits (0.0: bit-identical); NaN anywhere
+    is a difference, never a match."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} steps of logits against {len(b)}")
+    worst = 0.0
+    for x, y in zip(a, b):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape:
+            raise ValueError(f"logits of shape {x.shape} against {y.shape}")
+        d = np.abs(x - y)
+        if np.isnan(d).any():
+            return float("inf")
+        worst = max(worst, float(d.max()))
+    return worst

@@ -1,0 +1,396 @@
+"""The decode step of one MoE layer (Algorithm 1 of the paper).
+
+`SlotSwitchGLU` takes the place of mlx-lm's `SwitchGLU` inside the model's own MoE block, so
+the router, the top-k, the score weighting and the kernels stay mlx-lm's: the wrapped
+SwitchGLU is mlx-lm's object, its three `QuantizedSwitchLinear`s pointed at the slot buffers.
+Only the expert indices change, from experts to slots, which selects the same bytes.
+"""
+
+import time
+from dataclasses import dataclass, fields
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import device
+from . import staging
+from .slots import SlotTable, mx_dtype
+from .store import NP_DTYPES, PARTS, PROJ
+
+
+@dataclass
+class StepStats:
+    """What one decode step (all MoE layers of one token) cost the expert cache."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    stall_s: float = 0.0  # the decode thread waiting on reads it needs now
+    pread_s: float = 0.0  # summed over reader threads
+    array_s: float = 0.0  # MLX arrays made from read records (copy mode)
+    install_s: float = 0.0  # slot bookkeeping and buffer writes
+    chunks: int = 0  # extra row groups when one layer's rows need more experts than slots
+    issued: int = 0  # prefetches issued
+    useful: int = 0  # prefetched experts the target layer then used
+    wasted: int = 0  # prefetched experts it did not use (cancelled ones included)
+    late: int = 0  # useful prefetches still in flight when needed
+    cancelled: int = 0  # wasted prefetches cancelled before their read began
+    late_stall_s: float = 0.0  # the part of stall_s spent waiting on prefetches
+    sync_s: float = 0.0  # waiting at the host synchronisations for the device (its compute included)
+
+    def reset(self):
+        self.__init__()
+
+    def add(self, other: "StepStats"):
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def records_to_mx(block: np.ndarray, tensors, one_array: bool) -> list:
+    """Copy mode: each expert's tensors as MLX arrays, from a block of records (one row per
+    expert, as the store reads them).
+
+    `one_array` (a GPU's path): one MLX array holds the whole block, so one allocation and one
+    host-to-device transfer per batch. On the CPU the per-tensor arrays are the cheaper ones.
+    `python -m engine bench install` measures both (its `diagnosis_ms`; figures in the README)."""
+    n, stride = block.shape
+    if one_array:
+        flat = mx.array(block.reshape(-1))
+        return [
+            [
+                flat[i * stride + t.offset : i * stride + t.offset + t.nbytes].view(mx_dtype(t.dtype)).reshape(t.shape)
+                for t in tensors
+            ]
+            for i in range(n)
+        ]
+    out = []
+    for row in block:
+        arrays = []
+        for t in tensors:
+            a = mx.array(row[t.offset : t.offset + t.nbytes].view(NP_DTYPES[t.dtype]).reshape(t.shape))
+            arrays.append(a.view(mx_dtype(t.dtype)) if t.dtype == "bfloat16" else a)
+        out.append(arrays)
+    return out
+
+
+@dataclass
+class Destination:
+    """Where a read lands: a slot (inplace), a host record (copy) or a staging record (pinned)."""
+
+    buffers: list  # what the read is given: the slot's tensor views, or one record buffer
+    slot: int = -1
+    record: np.ndarray | None = None
+    staged: int = -1
+
+
+# `batched`: a layer's misses are read together and installed lazily (Algorithm 1);
+# `per_miss`: the paper's first version, kept for its ablation: one read at a time, and the
+# slot table evaluated after every miss.
+SYNC_MODES = ("batched", "per_miss")
+
+
+class ExpertCache:
+    """The engine-wide half of Algorithm 1: makes a layer's experts resident.
+
+    Holds the store, one slot table per MoE layer and the prefetcher, and accounts every read
+    (demand or prefetched) of every token: hits, misses, bytes, stall and prefetch counts in
+    `stats`, and each table's counters.
+    """
+
+    def __init__(self, store, tables, prefetcher, sync="batched", staging_records=64, overlap=True):
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
+        self.sync = sync
+        self.overlap = overlap
+        self.store = store
+        self.tables = tables
+        self.prefetcher = prefetcher
+        self.stats = StepStats()
+        self.position, self.rows = 0, 1
+        self.history = [None] * len(tables)  # per layer, the most recent token's experts
+        self.one_array = device.one_array()  # how copy mode makes arrays (records_to_mx)
+        self.staging = None
+        if any(t.install_mode == "pinned" for t in tables):
+            self.staging = staging.StagingPool(
+                staging_records,
+                store.record_bytes,
+                store.tensors,
+                staging.make_memory(staging_records, store.record_bytes, store.tensors),
+            )
+
+    def reset_layer(self, layer: int, slots: int):
+        """A fresh, empty slot table of `slots` for `layer` (a multi-node move re-fills it)."""
+        old = self.tables[layer]
+        self.tables[layer] = SlotTable(layer, old.num_experts, slots, old.tensors, old.policy_name, old.install_mode)
+        return self.tables[layer]
+
+    def begin_step(self, position: int, rows: int):
+        """A model call over `rows` tokens starting at sequence `position` begins."""
+        self.position, self.rows = position, rows
+        self.stats.reset()
+
+    def fill(self, layer: int):
+        """Load every expert of a layer into slot e = expert e (the S = E table)."""
+        table = self.tables[layer]
+        for e in range(table.num_experts):
+            table.claim(e)
+        if table.install_mode == "inplace":
+            futures = [self.store.submit(layer, e, table.dests(e)) for e in range(table.num_experts)]
+            for f in futures:
+                f.result()
+        elif table.install_mode == "pinned":
+            self.read_staged(layer, list(range(table.num_experts)), list(range(table.num_experts)))
+            mx.eval(table.buffers)
+        else:
+            batch = 8  # bounds the host records held at once
+            for first in range(0, table.num_experts, batch):
+                experts = range(first, min(first + batch, table.num_experts))
+                block, _ = self.store.read_block(layer, experts)
+                for e, arrays in zip(experts, records_to_mx(block, table.tensors, self.one_array)):
+                    table.install_arrays(e, arrays)
+                mx.eval(table.buffers)
+        table.bytes_read += table.num_experts * self.store.expert_bytes
+
+    def ensure(self, layer: int, experts: np.ndarray, hidden=None, last=None):
+        """Lines 11-14 of Algorithm 1 for the unique experts `experts` of this layer's rows;
+        `hidden` is the MoE input and `last` the last row's experts."""
+        table, st = self.tables[layer], self.stats
+        # line 12: install finished prefetches; wait for in-flight experts we need (late)
+        need = set(experts.tolist())
+        drained = self.prefetcher.drain(layer, need, can_abandon=table.install_mode == "pinned")
+        if drained is not None:
+            self.absorb(layer, drained, need)
+        # line 13: predict and issue layer l+d's prefetch before this layer's compute; when l+d
+        # wraps onto this very layer (next token's), only once this layer's misses have slots
+        depth = self.prefetcher.depth
+        onto_itself = depth > 0 and depth % len(self.tables) == 0
+        if not onto_itself:
+            self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+        self.history[layer] = experts if last is None else last
+        # line 14: read the misses as one batch and install them
+        resident = table.slot_of[experts] >= 0
+        misses = [int(e) for e in experts[~resident]]
+        nhit = int(resident.sum())
+        table.hits += nhit
+        st.hits += nhit
+        table.touch(experts[resident])
+        if misses:
+            self.read_misses(layer, misses, protected=set(experts.tolist()))
+        if onto_itself:
+            self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+
+    def reserve(self, layer: int, expert: int, protected):
+        """A destination for a prefetched read of `expert` into `layer`, or None when there is no
+        room for one (every slot holds a protected expert; the staging pool is kept for demand)."""
+        table = self.tables[layer]
+        if table.install_mode == "inplace":
+            try:
+                slot = table.claim(expert, protected)
+            except RuntimeError:
+                return None
+            dest = Destination(table.dests(slot), slot=slot)
+        elif table.install_mode == "pinned":
+            pool = self.staging
+            if pool.available() <= pool.window:
+                return None
+            staged = pool.acquire(1)[0]
+            dest = Destination([pool.view(staged)[: self.store.expert_bytes]], staged=staged)
+        else:
+            record = self.store.empty_record()
+            dest = Destination([record], record=record)
+        self.stats.issued += 1
+        return dest
+
+    def _free(self, table, flight):
+        """Give back what a read that will never be installed held."""
+        if flight.dest.slot >= 0:
+            table.release(flight.expert)
+        if flight.dest.staged >= 0:
+            self.staging.discard([flight.dest.staged])
+
+    def absorb(self, layer: int, drained, need: set):
+        """Install and account what a drain of `layer` found (prefetch.Drained)."""
+        table, st, nbytes = self.tables[layer], self.stats, self.store.expert_bytes
+        for f in drained.dropped:
+            self._free(table, f)
+        for f in drained.failed:
+            self._free(table, f)
+        for f in drained.abandoned:  # its bytes are read, into a record nothing will read
+            self.staging.abandon(f.dest.staged, f.future)
+        read = drained.arrived + drained.abandoned
+        useful = sum(f.expert in need for f in drained.arrived)
+        st.cancelled += len(drained.dropped)
+        st.useful += useful
+        st.wasted += len(drained.dropped) + len(read) - useful
+        st.late += drained.late
+        st.stall_s += drained.late_stall_s
+        st.late_stall_s += drained.late_stall_s
+        table.bytes_read += len(read) * nbytes
+        st.bytes_read += len(read) * nbytes
+        if table.install_mode == "copy":
+            for f in drained.arrived:
+                t0 = time.perf_counter()
+                arrays = records_to_mx(f.dest.record[None], table.tensors, self.one_array)[0]
+                t1 = time.perf_counter()
+                table.install_arrays(table.claim(f.expert, protected=need), arrays)
+                st.array_s += t1 - t0
+                st.install_s += time.perf_counter() - t1
+        elif table.install_mode == "pinned" and drained.arrived:
+            t0 = time.perf_counter()
+            slots = [table.claim(f.expert, protected=need) for f in drained.arrived]
+            t1 = time.perf_counter()
+            for b in range(0, len(slots), staging.BATCH):
+                batch = drained.arrived[b : b + staging.BATCH]
+                table.install_batch(slots[b : b + staging.BATCH], self.staging.copy([f.dest.staged for f in batch]))
+            st.array_s += time.perf_counter() - t1
+            st.install_s += t1 - t0
+        if drained.failed:
+            raise drained.failed[0].future.exception()
+
+    def read_misses(self, layer: int, misses, protected):
+        if self.sync == "per_miss":
+            for e in misses:
+                self._read(layer, [e], protected, evaluate=True)
+        else:
+            self._read(layer, misses, protected)
+
+    def _read(self, layer: int, misses, protected, evaluate=False):
+        """Read `misses` as one batch and install them; with `evaluate`, the slot table is
+        evaluated before returning (the per-miss ablation's synchronisation, counted as install)."""
+        table, st, store = self.tables[layer], self.stats, self.store
+        t0 = time.perf_counter()
+        slots = [table.claim(e, protected) for e in misses]
+        t1 = time.perf_counter()
+        try:
+            if table.install_mode == "inplace":
+                futures = [store.submit(layer, e, table.dests(s)) for e, s in zip(misses, slots)]
+                seconds = [f.result() for f in futures]
+                t2 = t3 = time.perf_counter()
+            elif table.install_mode == "pinned":
+                seconds, wait_s, copy_s = self.read_staged(layer, misses, slots)
+                t2 = t1 + wait_s
+                t3 = t2 + copy_s
+            else:
+                block, seconds = store.read_block(layer, misses)
+                t2 = time.perf_counter()
+                arrays = records_to_mx(block, table.tensors, self.one_array)
+                t3 = time.perf_counter()
+                for s, arrs in zip(slots, arrays):
+                    table.install_arrays(s, arrs)
+            if evaluate:
+                mx.eval(table.buffers)
+        except BaseException:
+            for e in misses:
+                table.release(e)
+            raise
+        t4 = time.perf_counter()
+        n = len(misses)
+        table.misses += n
+        table.bytes_read += n * store.expert_bytes
+        st.misses += n
+        st.bytes_read += n * store.expert_bytes
+        st.stall_s += t2 - t1
+        st.pread_s += sum(seconds)
+        st.array_s += t3 - t2
+        st.install_s += (t1 - t0) + (t4 - t3)
+
+    def read_staged(self, layer: int, experts, slots):
+        """Pinned mode: read `experts` into staging records on the reader threads and install them
+        into `slots`, one copy kernel and one scatter per tensor for each batch of up to
+        `staging.BATCH` (all lazily: nothing here waits for the device). Returns the read
+        seconds, the time spent waiting for reads and the time spent enqueueing copies."""
+        table, store, pool = self.tables[layer], self.store, self.staging
+        seconds, wait_s, copy_s = [], 0.0, 0.0
+        for lo in range(0, len(experts), pool.window):
+            exps, sls = experts[lo : lo + pool.window], slots[lo : lo + pool.window]
+            t0 = time.perf_counter()
+            recs = pool.acquire(len(exps))
+            try:
+                if len(exps) == 1:  # a lone miss (the common case at decode): no thread hand-off
+                    seconds.append(store.read_into(layer, exps[0], [pool.view(recs[0])[: store.expert_bytes]]))
+                else:
+                    futures = [store.submit(layer, e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
+                    try:
+                        seconds += [f.result() for f in futures]
+                    except BaseException:
+                        for f in futures:
+                            f.cancel() or f.exception()
+                        raise
+            except BaseException:
+                pool.discard(recs)
+                raise
+            t1 = time.perf_counter()
+            for b in range(0, len(recs), staging.BATCH):
+                table.install_batch(sls[b : b + staging.BATCH], pool.copy(recs[b : b + staging.BATCH]))
+            wait_s += t1 - t0
+            copy_s += time.perf_counter() - t1
+        return seconds, wait_s, copy_s
+
+    def close(self):
+        self.prefetcher.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+
+def row_chunks(indices: np.ndarray, slots: int):
+    """Split rows (R x K) into consecutive groups whose unique experts fit in `slots`.
+    Decode (one row) is always one group; a long prefill on a small table may need several."""
+    groups, start, seen = [], 0, set()
+    for r, row in enumerate(indices):
+        new = seen | set(row.tolist())
+        if len(new) > slots and r > start:
+            groups.append((start, r))
+            start, new = r, set(row.tolist())
+        seen = new
+    groups.append((start, len(indices)))
+    return groups
+
+
+class SlotSwitchGLU(nn.Module):
+    """mlx-lm's SwitchGLU computing over a slot table (lines 9-16 of Algorithm 1)."""
+
+    def __init__(self, glu, table, cache: ExpertCache, layer: int):
+        super().__init__()
+        for (proj, part), buf in zip(((p, q) for p in PROJ for q in PARTS), table.buffers):
+            getattr(glu, proj)[part] = buf
+        self.glu = glu
+        self._table = table
+        self._cache = cache
+        self._layer = layer
+
+    def __call__(self, x, indices):
+        table = self._table
+        if table.full:
+            # line 9: slot e holds expert e; straight to the kernels, no host synchronisation
+            return self.glu(x, indices)
+        t0 = time.perf_counter()
+        idx = np.array(indices)  # line 11: the one unavoidable synchronisation
+        self._cache.stats.sync_s += time.perf_counter() - t0
+        k, d = idx.shape[-1], x.shape[-1]
+        flat = idx.reshape(-1, k)
+        groups = row_chunks(flat, table.slots)
+        if len(groups) == 1:
+            self._cache.ensure(self._layer, np.unique(flat), x, np.sort(flat[-1]))
+            # lines 15-16: same kernel, same bytes as mlx-lm
+            y = self.glu(x, mx.array(table.slot_indices(idx)))
+            if self._cache.overlap:
+                # Start the device on this layer now: the host builds the next layer's graph
+                # meanwhile, instead of the two taking turns at every synchronisation.
+                mx.async_eval(y)
+            return y
+        # More experts than slots among these rows (a long prefill on a small table): each
+        # group runs on its own and is evaluated before the next one reuses the slots.
+        xf = x.reshape(-1, d)
+        outs = []
+        for a, b in groups:
+            self._cache.ensure(self._layer, np.unique(flat[a:b]), xf[a:b], np.sort(flat[b - 1]))
+            y = self.glu(xf[a:b], mx.array(table.slot_indices(flat[a:b])))
+            mx.eval(y)
+            outs.append(y)
+        self._cache.stats.chunks += len(groups) - 1
+        return mx.concatenate(outs, axis=0).reshape(*idx.shape, d)

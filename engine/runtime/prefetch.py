@@ -1,0 +1,132 @@
+"""Prefetching: the hooks Algorithm 1 calls at every MoE layer's host synchronisation.
+
+`ExpertCache.ensure(l, U)` calls `drain(l, U)` (line 12: wait for in-flight experts of U, cancel
+wasted reads not yet started) and then `predict_and_issue(l, U, hidden)` (line 13: predict
+layer l+d's experts and issue their reads on the store's reader threads) before the layer's
+misses are read and its kernels are dispatched, so the reads overlap the next d layers' compute.
+
+The prefetcher owns the reads in flight and decides what to wait for; the cache owns every
+slot, record and count: it gives each issued read its destination (`ExpertCache.reserve`) and
+takes back what a drain found (`Drained`, `ExpertCache.absorb`), installing and accounting it.
+In the `inplace` install mode an issued expert claims its slot at once and its read lands
+there; in `copy` mode it lands in a host record, in `pinned` mode in a staging record, and is
+installed at the drain. A wasted read still running in pinned mode is left to finish on its own
+(its record is freed once it has) instead of being waited for. A read that failed is raised in
+the decode thread at the drain, never swallowed, never a hang.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..predict.predictors import Context, NoPredictor, target_of
+
+
+class NoPrefetch:
+    """Demand loading only: every hook does nothing."""
+
+    depth = 0
+
+    def drain(self, layer, need, can_abandon=False):
+        return None
+
+    def predict_and_issue(self, layer, experts, hidden, cache):
+        pass
+
+    def close(self):
+        pass
+
+
+@dataclass
+class Flight:
+    expert: int
+    dest: object  # what ExpertCache.reserve gave this read
+    future: object
+
+
+@dataclass
+class Drained:
+    """What a drain of one layer found, for the cache to install and account."""
+
+    arrived: list = field(default_factory=list)  # flights whose bytes are in place
+    dropped: list = field(default_factory=list)  # wasted flights cancelled before their read began
+    abandoned: list = field(default_factory=list)  # wasted pinned flights still reading
+    failed: list = field(default_factory=list)  # flights whose read raised
+    late: int = 0  # useful flights still in flight when needed
+    late_stall_s: float = 0.0  # the wait for them (and for wasted reads already writing a slot)
+
+
+class Prefetcher:
+    """Issues a predictor's experts for layer l+d from layer l; drains them at l+d."""
+
+    def __init__(self, predictor, depth: int = 1):
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be at least 1, not {depth}")
+        self.predictor = predictor
+        self.depth = depth
+        self.inflight = {}  # target layer -> {expert: Flight}
+
+    def drain(self, layer, need: set, can_abandon: bool = False) -> Drained | None:
+        flights = self.inflight.pop(layer, None)
+        if not flights:
+            return None
+        out = Drained()
+        for f in flights.values():
+            useful = f.expert in need
+            if not f.future.done():
+                if not useful and f.future.cancel():
+                    out.dropped.append(f)
+                    continue
+                if not useful and can_abandon:
+                    out.abandoned.append(f)
+                    continue
+                # A late expert we need, or a wasted read already writing its slot.
+                t0 = time.perf_counter()
+                f.future.exception()
+                out.late_stall_s += time.perf_counter() - t0
+                out.late += useful
+            (out.failed if f.future.exception() is not None else out.arrived).append(f)
+        return out
+
+    def predict_and_issue(self, layer, experts, hidden, cache):
+        if cache.rows != 1:
+            return  # prefill: one call over the whole prompt; nothing ahead to overlap
+        target, offset = target_of(layer, self.depth, len(cache.tables))
+        h = None
+        if self.predictor.needs_hidden and hidden is not None:
+            h = np.array(hidden.reshape(-1, hidden.shape[-1])[-1].astype(mx.float32))
+        ctx = Context(cache.position, layer, target, offset, experts, h, cache.history)
+        # A depth that wraps onto this very layer (depth a multiple of the layer count) fills the
+        # table this layer is about to compute from: its experts must keep their slots.
+        busy = experts if target == layer else ()
+        self.issue(target, self.predictor.predict(ctx), cache, busy)
+
+    def issue(self, target, predicted, cache, busy=()):
+        predicted = [int(e) for e in predicted]
+        cache.tables[target].hint(predicted)
+        flights = self.inflight.setdefault(target, {})
+        protected = set(flights) | set(predicted) | {int(e) for e in busy}
+        for e in predicted:
+            if e in flights or cache.tables[target].resident(e):
+                continue
+            dest = cache.reserve(target, e, protected)
+            if dest is None:
+                break  # no room left for speculative reads
+            flights[e] = Flight(e, dest, cache.store.submit(target, e, dest.buffers, prefetch=True))
+
+    def close(self):
+        """Cancel what has not started, wait for what has; errors no longer matter."""
+        for flights in self.inflight.values():
+            for f in flights.values():
+                if not f.future.cancel():
+                    f.future.exception()
+        self.inflight.clear()
+
+
+def make(name: str, depth: int, predictor=None):
+    """The prefetcher for a predictor name (`none` means demand loading)."""
+    if name == "none" or isinstance(predictor, NoPredictor):
+        return NoPrefetch()
+    return Prefetcher(predictor, depth)

@@ -1,0 +1,234 @@
+"""Slot tables: per MoE layer, one stacked buffer of S slots for each expert tensor.
+
+The buffers are the very arrays mlx-lm's `gather_qmm` reads (the engine points the model's
+SwitchGLU at them), so a resident expert is computed on exactly the bytes mlx-lm would use.
+
+Two install modes:
+- `inplace` (default): the store's `preadv` lands straight in a slot's memory through a
+  writable view of the evaluated MLX buffer; no array is created and nothing is copied again.
+  Safe because a slot is only written at a layer's host synchronisation, when no pending MLX
+  work reads this layer's buffers.
+- `copy`: the paper's path: the read lands in a NumPy record, the consuming thread creates
+  MLX arrays and writes them with `buffer[slot] = array`, lazily (MLX reuses the buffer).
+- `pinned` (a CUDA GPU's default): the read lands in a pinned staging record, one copy kernel
+  moves a batch of records to the device and each buffer takes the batch with one scatter
+  (`install_batch`; engine.staging).
+"""
+
+from collections import OrderedDict
+
+import mlx.core as mx
+import numpy as np
+
+INSTALL_MODES = ("inplace", "copy", "pinned")  # `auto` (engine option) picks one per device: engine.device
+
+
+class LRU:
+    """Evict the least recently used expert."""
+
+    def __init__(self, slots: int):
+        self._order = OrderedDict()
+
+    def touch(self, expert: int):
+        self._order[expert] = None
+        self._order.move_to_end(expert)
+
+    def remove(self, expert: int):
+        self._order.pop(expert, None)
+
+    def hint(self, predicted):
+        pass
+
+    def victim(self, protected) -> int:
+        for e in self._order:
+            if e not in protected:
+                return e
+        raise RuntimeError("every resident expert is protected: no slot can be evicted")
+
+
+class LFU(LRU):
+    """Evict the least frequently used expert (uses counted since it became resident);
+    ties go to the least recently used."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self._uses = {}
+
+    def touch(self, expert: int):
+        super().touch(expert)
+        self._uses[expert] = self._uses.get(expert, 0) + 1
+
+    def remove(self, expert: int):
+        super().remove(expert)
+        self._uses.pop(expert, None)
+
+    def victim(self, protected) -> int:
+        best, best_uses = None, None
+        for e in self._order:  # least recent first, so the first minimum wins ties
+            if e not in protected and (best_uses is None or self._uses[e] < best_uses):
+                best, best_uses = e, self._uses[e]
+        if best is None:
+            raise RuntimeError("every resident expert is protected: no slot can be evicted")
+        return best
+
+
+class LRUPredicted(LRU):
+    """LRU that spares the experts the predictor last named for this layer, while any other
+    expert can go."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self._predicted = frozenset()
+
+    def hint(self, predicted):
+        self._predicted = frozenset(int(e) for e in predicted)
+
+    def victim(self, protected) -> int:
+        try:
+            return super().victim(set(protected) | self._predicted)
+        except RuntimeError:
+            return super().victim(protected)
+
+
+POLICIES = {"lru": LRU, "lfu": LFU, "lru-predicted": LRUPredicted}
+
+
+def make_policy(name: str, slots: int):
+    if name not in POLICIES:
+        raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
+    return POLICIES[name](slots)
+
+
+def mx_dtype(name: str):
+
+    return getattr(mx, name)
+
+
+def address(a) -> int:
+    """The address of an evaluated MLX array's first byte."""
+    return np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data
+
+
+def aligned_zeros(shape, dtype, align=4096):
+    """A zeroed MLX array whose data starts on an `align`-byte boundary.
+
+    MLX's CPU allocator returns memory at 24 mod 4096; the kernel's copy from the page cache
+    into such cache-line-misaligned memory ran 4.5x slower than into aligned memory on this
+    machine (AMD EPYC, `rep movsb`). So allocate a little more and keep an aligned view:
+    MLX slices and reshapes of contiguous data share the buffer.
+    """
+
+    n = int(np.prod(shape))
+    item = dtype.size
+    big = mx.zeros((n + align // item,), dtype=dtype)
+    mx.eval(big)
+    pad = ((-address(big)) % align) // item
+    buf = big[pad : pad + n].reshape(shape)
+    mx.eval(buf)
+    return buf
+
+
+class SlotTable:
+    """S slots for one MoE layer, the map expert -> slot, an eviction policy and counters."""
+
+    def __init__(self, layer: int, num_experts: int, slots: int, tensors, policy="lru", install="inplace"):
+        if install not in INSTALL_MODES:
+            raise ValueError(f"install must be one of {INSTALL_MODES}, not {install!r}")
+        if not 1 <= slots <= num_experts:
+            raise ValueError(f"slots must be between 1 and {num_experts}, not {slots}")
+        self.layer = layer
+        self.num_experts = num_experts
+        self.slots = slots
+        self.tensors = list(tensors)
+        self.install_mode = install
+        if install == "inplace":
+            self.buffers = [aligned_zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
+            # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
+            self._rows = [memoryview(b).cast("B") for b in self.buffers]
+        else:
+            # No host view is ever taken: on a GPU it would move the buffers out of device memory.
+
+            self.buffers = [mx.zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
+            mx.eval(self.buffers)
+            self._rows = None
+        self.slot_of = np.full(num_experts, -1, np.int64)
+        self.expert_in = np.full(slots, -1, np.int64)
+        self.policy = make_policy(policy, slots)
+        self.policy_name = policy
+        self.hits = self.misses = self.evictions = self.bytes_read = 0
+
+    @property
+    def full(self) -> bool:
+        """Every expert has its own slot: slot e holds expert e and no remapping is needed."""
+        return self.slots == self.num_experts
+
+    def resident(self, expert: int) -> bool:
+        return self.slot_of[expert] >= 0
+
+    def dests(self, slot: int) -> list:
+        """Writable views of one slot's nine tensors, in store order (for one `preadv`)."""
+        if self._rows is None:
+            raise RuntimeError(f"MoE layer {self.layer}: a {self.install_mode}-mode table takes no direct writes")
+        return [row[slot * t.nbytes : (slot + 1) * t.nbytes] for row, t in zip(self._rows, self.tensors)]
+
+    def touch(self, experts):
+        for e in experts:
+            self.policy.touch(int(e))
+
+    def hint(self, predicted):
+        """The experts the predictor expects here next (for policies that spare them)."""
+        self.policy.hint(predicted)
+
+    def claim(self, expert: int, protected=()) -> int:
+        """Map `expert` to a free slot, or evict the policy's victim outside `protected`."""
+        free = np.flatnonzero(self.expert_in < 0)
+        if len(free):
+            slot = int(free[0])
+        else:
+            victim = self.policy.victim(protected)
+            slot = int(self.slot_of[victim])
+            self.slot_of[victim] = -1
+            self.policy.remove(victim)
+            self.evictions += 1
+        self.slot_of[expert] = slot
+        self.expert_in[slot] = expert
+        self.policy.touch(expert)
+        return slot
+
+    def release(self, expert: int):
+        """Forget an expert whose bytes never arrived (a failed read)."""
+        slot = self.slot_of[expert]
+        if slot >= 0:
+            self.expert_in[slot] = -1
+            self.slot_of[expert] = -1
+            self.policy.remove(expert)
+
+    def install_arrays(self, slot: int, arrays):
+        """Copy mode: write MLX arrays (made in this thread) into a slot, lazily."""
+        if self._rows is not None:
+            raise RuntimeError(f"MoE layer {self.layer}: install_arrays on an {self.install_mode}-mode table")
+        for buf, a in zip(self.buffers, arrays):
+            buf[slot] = a
+
+    def install_batch(self, slots, stacked):
+        """Write a batch of experts, one stacked (n, *shape) array per tensor, into `slots`:
+        one scatter per tensor, lazily (MLX donates the buffer, so the write is in place)."""
+        if self._rows is not None:
+            raise RuntimeError(f"MoE layer {self.layer}: install_batch on an {self.install_mode}-mode table")
+
+        idx = mx.array(np.asarray(slots, np.uint8 if self.slots <= 256 else np.uint32))
+        for buf, a in zip(self.buffers, stacked):
+            buf[idx] = a
+
+    def slot_indices(self, indices: np.ndarray) -> np.ndarray:
+        """The router's expert indices remapped to slots; every expert must be resident."""
+        slots = self.slot_of[indices]
+        if (slots < 0).any():
+            missing = sorted(set(indices[slots < 0].tolist()))
+            raise RuntimeError(f"MoE layer {self.layer}: experts {missing} are not resident")
+        # 8-bit where it fits: a decode step's K indices then take 8 bytes, which MLX's CUDA
+        # allocator serves from its small pool, read by the device in place, not from managed memory
+        return slots.astype(np.uint8 if self.slots <= 256 else np.uint32)
+
+    def counters(self) -> dict:
+        return dict(hits=self.hits, misses=self.misses, evictions=self.evictions, bytes_read=self.bytes_read)

@@ -1,0 +1,372 @@
+"""Pinned staging: how a miss reaches a GPU's slot table at about the cost of a pinned `cudaMemcpy`.
+
+MLX 0.32's CUDA backend puts an array made from host memory (`mx.array(numpy)`) in CUDA managed
+memory: the host's first touch of its pages faults them in and the device's first read migrates
+them by page faults, about 3.4x the cost of a `preadv` into pinned memory plus one `cudaMemcpy`
+(`bench miss`). The `pinned` install mode goes around that:
+
+1. a pool of page-aligned host records, registered once with the CUDA runtime as mapped pinned
+   memory (`cudaHostRegister`, through `ctypes`: `libcudart.so.13` ships with the
+   `nvidia-cuda-runtime` wheel that `mlx-cuda-13` depends on);
+2. reader threads `preadv` expert records straight into them;
+3. one copy kernel (`mx.fast.cuda_kernel`) per batch of up to eight records reads them across
+   PCIe and writes each expert tensor, stacked over the batch, into fresh device arrays;
+4. each slot buffer then takes the batch with one scatter (`buffer[slots] = stacked`), not one
+   write per expert and tensor.
+
+MLX is lazy and its streams are asynchronous, so the kernel that reads a record runs some time
+after the engine enqueued it. A record may be written again only once that kernel has run: each
+batch leaves a *fence* (an output of its kernel) on its records, and `StagingPool.acquire` waits
+on a record's fence before handing the record out again (`mx.eval` of an array that is already
+scheduled only waits for it; one that is complete costs nothing).
+
+On a machine without MLX's CUDA backend the same pool runs over `HostMemory`, whose records are
+rows of an evaluated MLX array and whose "kernel" is a lazy gather from it: reads then happen at
+evaluation time exactly as on the GPU, so the pool's bookkeeping and the engine's batched
+installs are tested on the CPU (tests/test_staging.py). It is not a user-facing install mode on
+the CPU, where `inplace` is cheaper (`device.resolve_install`).
+"""
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import sys
+from collections import deque
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .slots import aligned_zeros
+from .store import PAGE, aligned_empty
+
+BATCH = 8  # records per copy kernel: its record list and slot list each fit in 8 bytes (below)
+HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0x01, 0x02
+MEMCPY_HOST_TO_DEVICE = 1
+
+
+class StagingError(RuntimeError):
+    """The pinned path cannot run here (no CUDA runtime, a failed registration, ...)."""
+
+
+# -- the CUDA runtime, through ctypes --------------------------------------------------------------
+def _candidates():
+    """Where libcudart may be: already loaded by MLX's CUDA backend (found by its soname), the
+    `nvidia-cuda-runtime` wheel's folder, then the system's loader path."""
+    yield "libcudart.so.13"
+    for root in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
+            p = Path(root) / sub / "libcudart.so.13"
+            if p.exists():
+                yield str(p)
+    found = ctypes.util.find_library("cudart")
+    if found:
+        yield found
+
+
+class CudaRuntime:
+    """The few CUDA runtime calls the pinned path needs."""
+
+    def __init__(self, path=None):
+        errors = []
+        for cand in [path] if path else _candidates():
+            try:
+                self.lib = ctypes.CDLL(cand)
+                self.path = cand
+                break
+            except OSError as e:
+                errors.append(f"{cand}: {e}")
+        else:
+            raise StagingError("no CUDA runtime library (libcudart.so.13) found: " + "; ".join(errors))
+        L = self.lib
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        for name, args in (
+            ("cudaHostRegister", [vp, sz, ctypes.c_uint]),
+            ("cudaHostUnregister", [vp]),
+            ("cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint]),
+            ("cudaMalloc", [ctypes.POINTER(vp), sz]),
+            ("cudaFree", [vp]),
+            ("cudaMemcpy", [vp, vp, sz, ctypes.c_int]),
+            ("cudaDeviceSynchronize", []),
+            ("cudaGetErrorString", [ctypes.c_int]),
+        ):
+            fn = getattr(L, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_char_p if name == "cudaGetErrorString" else ctypes.c_int
+
+    def check(self, code: int, what: str):
+        if code != 0:
+            raise StagingError(f"{what} failed: CUDA error {code} ({self.lib.cudaGetErrorString(code).decode()})")
+
+    def host_register(self, ptr: int, nbytes: int) -> int:
+        """Pin and map `nbytes` of host memory at `ptr`; returns its device address."""
+        self.check(
+            self.lib.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED),
+            f"cudaHostRegister of {nbytes} bytes",
+        )
+        dev = ctypes.c_void_p()
+        self.check(self.lib.cudaHostGetDevicePointer(ctypes.byref(dev), ptr, 0), "cudaHostGetDevicePointer")
+        return dev.value
+
+    def host_unregister(self, ptr: int):
+        self.lib.cudaHostUnregister(ptr)
+
+    def malloc(self, nbytes: int) -> int:
+        p = ctypes.c_void_p()
+        self.check(self.lib.cudaMalloc(ctypes.byref(p), nbytes), f"cudaMalloc of {nbytes} bytes")
+        return p.value
+
+    def free(self, ptr: int):
+        self.lib.cudaFree(ptr)
+
+    def memcpy_h2d(self, dst: int, src: int, nbytes: int):
+        self.check(self.lib.cudaMemcpy(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE), "cudaMemcpy")
+
+    def synchronize(self):
+        self.check(self.lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+_RUNTIME = None
+
+
+def runtime() -> CudaRuntime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = CudaRuntime(os.environ.get("TITAN_CUDART"))
+    return _RUNTIME
+
+
+def unavailable_reason() -> str | None:
+    """Why the pinned path cannot run in this process, or None when it can."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "MLX computes on the CPU here (no GPU backend)"
+    if not mx.cuda.is_available():
+        return (
+            "MLX's GPU here is not CUDA (on Apple Silicon the paper's copy path stays: unified memory "
+            "needs no staging, and whether pinning would help there is not measurable on these machines)"
+        )
+    if not hasattr(mx.fast, "cuda_kernel"):
+        return f"mlx {mx.__version__} has no mx.fast.cuda_kernel"
+    try:
+        runtime()
+    except StagingError as e:
+        return str(e)
+    return None
+
+
+# -- the copy kernel ---------------------------------------------------------------------------------
+_CTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+
+
+def grain(offset: int, nbytes: int, record_bytes: int) -> int:
+    """The widest load (bytes) that tiles a tensor at `offset` in every record."""
+    return next(g for g in (16, 8, 4, 2, 1) if offset % g == 0 and nbytes % g == 0 and record_bytes % g == 0)
+
+
+def kernel_source(tensors, record_bytes: int) -> str:
+    """One grid-stride loop per tensor: output `o{i}` (n, *shape) row r is tensor i of record recs[r]
+    of the staging area at device address base[0]."""
+    lines = [
+        "const unsigned long long area = base[0];",
+        "const size_t step = (size_t)gridDim.x * blockDim.x;",
+        "const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;",
+        "const size_t n = recs_shape[0];",
+    ]
+    for i, t in enumerate(tensors):
+        g = grain(t.offset, t.nbytes, record_bytes)
+        ct, w = _CTYPES[g], t.nbytes // g
+        lines.append(
+            f"for (size_t i = first; i < n * {w}; i += step) {{ const size_t r = i / {w}; "
+            f"const {ct}* src = (const {ct}*)(area + (unsigned long long)recs[r] * {record_bytes}ULL + {t.offset}ULL); "
+            f"(({ct}*)o{i})[i] = src[i - r * {w}]; }}"
+        )
+    return "\n".join(lines)
+
+
+_KERNELS = {}
+
+
+def copy_kernel(tensors, record_bytes: int):
+    src = kernel_source(tensors, record_bytes)
+    key = hashlib.sha256(src.encode()).hexdigest()[:16]
+    if key not in _KERNELS:
+        _KERNELS[key] = mx.fast.cuda_kernel(
+            name=f"titan_stage_{key}",
+            input_names=["base", "recs"],
+            output_names=[f"o{i}" for i in range(len(tensors))] + ["fence"],
+            source=src,
+        )
+    return _KERNELS[key]
+
+
+def _dtype(name):
+    return getattr(mx, name)
+
+
+# -- the memory behind a pool ------------------------------------------------------------------------
+class CudaMemory:
+    """Page-aligned host records registered with the CUDA runtime as mapped pinned memory."""
+
+    kind = "cuda"
+
+    def __init__(self, records: int, record_bytes: int, tensors):
+        self.rt = runtime()
+        self.record_bytes, self.tensors = record_bytes, list(tensors)
+        self.host = aligned_empty(records * record_bytes).reshape(records, record_bytes)
+        self.ptr = self.host.ctypes.data
+        self.device_ptr = self.rt.host_register(self.ptr, self.host.nbytes)
+        # 8 bytes: MLX's CUDA allocator serves it from its small pool, which the device reads in
+        # place (cudaMemAdviseSetAccessedBy) instead of migrating pages.
+        self.base = mx.array(np.array([self.device_ptr], np.uint64))
+        mx.eval(self.base)
+        self.kernel = copy_kernel(self.tensors, record_bytes)
+
+    def row(self, rec: int) -> np.ndarray:
+        return self.host[rec]
+
+    def copy(self, recs):
+        n = len(recs)
+        widths = [t.nbytes // grain(t.offset, t.nbytes, self.record_bytes) for t in self.tensors]
+        threads = min(n * max(widths), 132 * 2048)
+        outs = self.kernel(
+            inputs=[self.base, mx.array(np.asarray(recs, np.uint8))],
+            output_shapes=[(n, *t.shape) for t in self.tensors] + [(1,)],
+            output_dtypes=[_dtype(t.dtype) for t in self.tensors] + [mx.uint32],
+            grid=(max(threads, 1), 1, 1),
+            threadgroup=(256, 1, 1),
+        )
+        return outs[:-1], outs[-1]
+
+    def close(self):
+        if self.ptr:
+            self.rt.host_unregister(self.ptr)
+            self.ptr = 0
+
+
+class HostMemory:
+    """The same records as rows of an evaluated MLX array, read by a lazy gather: the pinned
+    path's stand-in where there is no CUDA (the CPU tests). Host writes go through a writable
+    view of the MLX buffer, so, as on the GPU, what the "kernel" reads is what the records hold
+    when the graph is evaluated, not when it was built."""
+
+    kind = "host"
+
+    def __init__(self, records: int, record_bytes: int, tensors):
+
+        self.record_bytes, self.tensors = record_bytes, list(tensors)
+        self.area = aligned_zeros((records, record_bytes), mx.uint8)
+        self.host = np.frombuffer(memoryview(self.area).cast("B"), np.uint8).reshape(records, record_bytes)
+
+    def row(self, rec: int) -> np.ndarray:
+        return self.host[rec]
+
+    def copy(self, recs):
+        n = len(recs)
+        rows = self.area[mx.array(np.asarray(recs, np.uint32))]
+        outs = [
+            rows[:, t.offset : t.offset + t.nbytes].view(_dtype(t.dtype)).reshape(n, *t.shape) for t in self.tensors
+        ]
+        return outs, rows[:1, :1]
+
+    def close(self):
+        pass
+
+
+def make_memory(records: int, record_bytes: int, tensors):
+    """The memory behind the engine's staging pool: pinned and mapped on a CUDA GPU. (The CPU
+    tests swap in HostMemory here.)"""
+    return CudaMemory(records, record_bytes, tensors)
+
+
+# -- the pool ----------------------------------------------------------------------------------------
+class StagingPool:
+    """A fixed set of staging records and what may still read or write each of them.
+
+    A record is free, held (acquired: a reader thread may be writing it), fenced (a copy kernel
+    reads it; free once the fence has run) or abandoned (a read nobody will install is still
+    writing it; free once its future is done).
+    """
+
+    def __init__(self, records: int, record_bytes: int, tensors, memory=None):
+        if not BATCH <= records <= 256:
+            raise ValueError(f"staging records must be between {BATCH} and 256, not {records}")
+        if record_bytes % PAGE:
+            raise ValueError(f"record_bytes ({record_bytes}) must be a multiple of {PAGE}")
+        self.records = records
+        self.window = max(BATCH, records // 2)  # demand reads in flight at once; prefetches leave it free
+        self.memory = memory or CudaMemory(records, record_bytes, tensors)
+        self._free = deque(range(records))
+        self._fenced = deque()  # (fence, [records]) in the order their kernels were enqueued
+        self._abandoned = []  # (future, record)
+        self.held = set()
+        self.waits = 0  # fences waited on while they were not known to be complete
+
+    def view(self, rec: int) -> np.ndarray:
+        if rec not in self.held:
+            raise RuntimeError(f"staging record {rec} is not held: it must be acquired before it is written")
+        return self.memory.row(rec)
+
+    def _reclaim_abandoned(self):
+        still = []
+        for fut, rec in self._abandoned:
+            if fut.done():
+                self._free.append(rec)
+            else:
+                still.append((fut, rec))
+        self._abandoned = still
+
+    def available(self) -> int:
+        """Records that could be handed out now or after waiting on fences (not held, not abandoned)."""
+        return len(self._free) + sum(len(r) for _, r in self._fenced)
+
+    def acquire(self, n: int, wait: bool = True):
+        """`n` records no kernel will read any more, held for the caller. Without `wait`, None
+        when that would mean waiting on a fence; with it, the oldest fences are waited on."""
+        if n > self.records:
+            raise ValueError(f"{n} staging records asked for, the pool has {self.records}")
+        self._reclaim_abandoned()
+        while len(self._free) < n and self._fenced:
+            if not wait:
+                return None
+            fence, recs = self._fenced.popleft()
+            mx.eval(fence)  # returns at once if the kernel already ran; otherwise waits for it
+            self.waits += 1
+            self._free.extend(recs)
+        if len(self._free) < n:
+            if not wait:
+                return None
+            raise RuntimeError(
+                f"staging pool exhausted: {n} records asked for, {len(self._free)} free, "
+                f"{len(self.held)} held, {len(self._abandoned)} still being read"
+            )
+        recs = [self._free.popleft() for _ in range(n)]
+        self.held.update(recs)
+        return recs
+
+    def copy(self, recs):
+        """Enqueue the copy kernel over held records; they are fenced by it and no longer held.
+        Returns one stacked device array per expert tensor, rows in `recs` order."""
+        arrays, fence = self.memory.copy(recs)
+        self.held.difference_update(recs)
+        self._fenced.append((fence, list(recs)))
+        return arrays
+
+    def discard(self, recs):
+        """Held records that nothing will read (a failed read): free at once."""
+        for r in recs:
+            self.held.discard(r)
+            self._free.append(r)
+
+    def abandon(self, rec: int, future):
+        """A held record whose read is still running but will never be installed."""
+        self.held.discard(rec)
+        self._abandoned.append((future, rec))
+
+    def close(self):
+        for fut, _ in self._abandoned:
+            fut.cancel() or fut.exception()
+        for fence, _ in self._fenced:
+            mx.eval(fence)
+        self._fenced.clear()
+        self.memory.close()

@@ -1,0 +1,315 @@
+"""The expert store: every MoE layer's experts laid out on disk, read back with `os.preadv`.
+
+Layout: one file per MoE layer, one record per expert, the nine tensors of an expert
+(gate/up/down x weight/scales/biases) back to back so that one `preadv` scatters a record
+straight into nine destination buffers. Records start on page boundaries (the cold tier drops
+exactly a record's pages). `index.json` holds the tensor layout, offsets and one CRC-32 per
+expert, and a digest of the model it was built from.
+
+Reader threads only issue system calls into NumPy or slot memory: MLX streams are
+thread-local, so MLX arrays are made by the consuming thread, never here.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+FORMAT = "titan-expert-store"
+VERSION = 1
+PAGE = 4096
+PROJ = ("gate_proj", "up_proj", "down_proj")
+PARTS = ("weight", "scales", "biases")
+TIERS = ("page_cache", "cold")
+VERIFY = ("first", "always", "never")
+
+# NumPy cannot name bfloat16; the store only moves bytes, so a 16-bit view stands in.
+NP_DTYPES = {"uint32": np.uint32, "float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+
+
+def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes]
+
+
+class StoreError(RuntimeError):
+    """A store that is missing, corrupt, truncated or built from another model."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # e.g. "gate_proj.weight"
+    shape: tuple
+    dtype: str  # MLX dtype name
+    offset: int  # within the expert record
+    nbytes: int
+
+
+def model_digest(model_path) -> str:
+    """What the store must match: config.json and every weight file's safetensors header."""
+    model_path = Path(model_path)
+    h = hashlib.sha256((model_path / "config.json").read_bytes())
+    for f in sorted(model_path.glob("model*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + fh.read(n))
+    manifest = model_path / "titan-build.json"
+    if manifest.exists():
+        h.update(manifest.read_bytes())
+    return h.hexdigest()
+
+
+def moe_layers(model) -> list:
+    """(transformer layer index, SwitchGLU) of every MoE block of an mlx-lm model."""
+    return [(i, layer.mlp.switch_mlp) for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).rsplit(".", 1)[-1]
+
+
+def _expert_bytes(arr) -> memoryview:
+
+    arr = mx.contiguous(arr)
+    mx.eval(arr)
+    return memoryview(arr).cast("B")
+
+
+def build(model, model_path, out, model_id: str) -> Path:
+    """Write the expert store of a (lazily) loaded mlx-lm model into `out`, atomically."""
+
+    out = Path(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    layers = []
+    tensors = None
+    for ordinal, (li, glu) in enumerate(moe_layers(model)):
+        specs, off = [], 0
+        for p in PROJ:
+            for part in PARTS:
+                a = getattr(glu, p)[part]
+                shape = tuple(a.shape[1:])
+                nbytes = int(np.prod(shape)) * a.dtype.size
+                specs.append(TensorSpec(f"{p}.{part}", shape, _dtype_name(a.dtype), off, nbytes))
+                off += nbytes
+        if tensors is None:
+            tensors = specs
+        elif specs != tensors:
+            raise StoreError(f"MoE layer {li}: expert tensors differ from the first MoE layer's")
+        record = -(-off // PAGE) * PAGE
+        num_experts = getattr(glu, PROJ[0])["weight"].shape[0]
+        fname = f"layer_{ordinal:03d}.bin"
+        crcs = []
+        with open(tmp / fname, "wb") as f:
+            for e in range(num_experts):
+                chunks = [_expert_bytes(getattr(glu, t.name.split(".")[0])[t.name.split(".")[1]][e]) for t in specs]
+                crc = 0
+                for c in chunks:
+                    crc = zlib.crc32(c, crc)
+                    f.write(c)
+                f.write(b"\0" * (record - off))
+                crcs.append(crc)
+            f.flush()
+            os.fsync(f.fileno())
+        layers.append({"layer": li, "file": fname, "experts": num_experts, "crc32": crcs})
+        mx.clear_cache()
+    if tensors is None:
+        raise StoreError(f"model '{model_id}' has no MoE layer: nothing to store")
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model_id,
+        "model_digest": model_digest(model_path),
+        "expert_bytes": tensors[-1].offset + tensors[-1].nbytes,
+        "record_bytes": -(-(tensors[-1].offset + tensors[-1].nbytes) // PAGE) * PAGE,
+        "tensors": [
+            dict(name=t.name, shape=list(t.shape), dtype=t.dtype, offset=t.offset, nbytes=t.nbytes) for t in tensors
+        ],
+        "layers": layers,
+    }
+    (tmp / "index.json").write_text(json.dumps(index, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out
+
+
+class Store:
+    """An opened expert store: validated index, one descriptor per layer file, reader threads."""
+
+    def __init__(self, path, model_path=None, tier="page_cache", readers=4, verify="first"):
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, not {tier!r}")
+        if verify not in VERIFY:
+            raise ValueError(f"verify must be one of {VERIFY}, not {verify!r}")
+        self.path = Path(path)
+        self.tier = tier
+        self.verify = verify
+        index_path = self.path / "index.json"
+        if not index_path.exists():
+            raise StoreError(f"{index_path}: no store index (build it with `python -m engine store build MODEL`)")
+        try:
+            idx = json.loads(index_path.read_text())
+            if idx.get("format") != FORMAT or idx.get("version") != VERSION:
+                raise ValueError(f"format {idx.get('format')!r} version {idx.get('version')!r}")
+            self.tensors = [
+                TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["offset"], t["nbytes"]) for t in idx["tensors"]
+            ]
+            self.expert_bytes = int(idx["expert_bytes"])
+            self.record_bytes = int(idx["record_bytes"])
+            self.layers = idx["layers"]
+            self.model = idx["model"]
+            for t in self.tensors:
+                if (
+                    t.dtype not in NP_DTYPES
+                    or int(np.prod(t.shape)) * np.dtype(NP_DTYPES[t.dtype]).itemsize != t.nbytes
+                ):
+                    raise ValueError(
+                        f"tensor {t.name}: shape {t.shape} and dtype {t.dtype} do not make {t.nbytes} bytes"
+                    )
+            for layer in self.layers:
+                if len(layer["crc32"]) != layer["experts"]:
+                    raise ValueError(
+                        f"layer {layer['layer']}: {len(layer['crc32'])} checksums for {layer['experts']} experts"
+                    )
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"{index_path}: malformed store index ({e})") from None
+        if model_path is not None:
+            digest = model_digest(model_path)
+            if digest != idx.get("model_digest"):
+                raise StoreError(
+                    f"{self.path}: this store was built from another model than {model_path} "
+                    f"(digest {str(idx.get('model_digest'))[:12]} != {digest[:12]}); rebuild it with "
+                    f"`python -m engine store build {self.model} --force`"
+                )
+        self._fds = []
+        for layer in self.layers:
+            fpath = self.path / layer["file"]
+            want = layer["experts"] * self.record_bytes
+            try:
+                size = os.stat(fpath).st_size
+            except FileNotFoundError:
+                self.close()
+                raise StoreError(f"{fpath}: missing store file of MoE layer {layer['layer']}") from None
+            if size < want:
+                self.close()
+                last = size // self.record_bytes
+                raise StoreError(
+                    f"{fpath}: truncated ({size} of {want} bytes): experts {last}..{layer['experts'] - 1} "
+                    f"of MoE layer {layer['layer']} are missing"
+                )
+            self._fds.append(os.open(fpath, os.O_RDONLY))
+        self._verified = [np.zeros(layer["experts"], bool) for layer in self.layers]
+        # Demand reads and prefetches have their own threads, so that a read the decode thread
+        # waits for never queues behind speculative ones.
+        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="titan-reader")
+        self._prefetch_pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="titan-reader-prefetch")
+
+    # -- layout ---------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def num_experts(self, layer: int) -> int:
+        return self.layers[layer]["experts"]
+
+    def empty_record(self) -> np.ndarray:
+        """A record buffer on a page boundary (misaligned destinations make reads slower)."""
+        return aligned_empty(self.expert_bytes)
+
+    def views(self, record: np.ndarray) -> list:
+        """NumPy views of the nine tensors inside one record buffer."""
+        return [record[t.offset : t.offset + t.nbytes].view(NP_DTYPES[t.dtype]).reshape(t.shape) for t in self.tensors]
+
+    # -- reading --------------------------------------------------------------------------
+    def read_into(self, layer: int, expert: int, dests) -> float:
+        """Read one expert with a single `preadv` into `dests` (writable buffers, in tensor
+        order, or one buffer of expert_bytes). Returns the seconds spent in the read."""
+        meta = self.layers[layer]
+        if not 0 <= expert < meta["experts"]:
+            raise StoreError(f"{self.path / meta['file']}: expert {expert} out of range (layer has {meta['experts']})")
+        fd = self._fds[layer]
+        offset = expert * self.record_bytes
+        if self.tier == "cold":
+            os.posix_fadvise(fd, offset, self.record_bytes, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        n = os.preadv(fd, dests, offset)
+        dt = time.perf_counter() - t0
+        if n != self.expert_bytes:
+            raise StoreError(
+                f"{self.path / meta['file']}: short read of expert {expert} of MoE layer {meta['layer']} "
+                f"({n} of {self.expert_bytes} bytes): the file is truncated"
+            )
+        if self.verify == "always" or (self.verify == "first" and not self._verified[layer][expert]):
+            crc = 0
+            for d in dests:
+                crc = zlib.crc32(d, crc)
+            if crc != meta["crc32"][expert]:
+                raise StoreError(
+                    f"{self.path / meta['file']}: checksum mismatch for expert {expert} of MoE layer {meta['layer']} "
+                    f"(index {meta['crc32'][expert]:#010x}, read {crc:#010x}): the store is corrupt; rebuild it"
+                )
+            self._verified[layer][expert] = True
+        return dt
+
+    def submit(self, layer: int, expert: int, dests, prefetch: bool = False):
+        """Queue one read on the reader threads; the future yields the read seconds."""
+        pool = self._prefetch_pool if prefetch else self._pool
+        return pool.submit(self.read_into, layer, expert, dests)
+
+    def read_block(self, layer: int, experts):
+        """Read several experts of a layer into the rows of one block (each row on a page
+        boundary); returns (block of shape (n, row bytes >= expert_bytes), [pread seconds])."""
+        experts = list(experts)
+        block = aligned_empty(len(experts) * self.record_bytes).reshape(len(experts), self.record_bytes)
+        futures = [self.submit(layer, e, [block[i, : self.expert_bytes]]) for i, e in enumerate(experts)]
+        return block, [f.result() for f in futures]
+
+    def read_batch(self, layer: int, experts):
+        """`read_block` as NumPy views: ({expert: [nine views]}, [pread seconds])."""
+        experts = list(experts)
+        block, seconds = self.read_block(layer, experts)
+        return {e: self.views(row) for e, row in zip(experts, block)}, seconds
+
+    def verify_all(self, layers=None):
+        """Check every expert's checksum; raises StoreError naming the first bad one."""
+        saved = self.verify
+        self.verify = "always"
+        try:
+            rec = self.empty_record()
+            for li in range(self.num_layers) if layers is None else layers:
+                for e in range(self.num_experts(li)):
+                    self.read_into(li, e, [rec])
+        finally:
+            self.verify = saved
+
+    def close(self):
+        for name in ("_pool", "_prefetch_pool"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+                setattr(self, name, None)
+        for fd in getattr(self, "_fds", []):
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

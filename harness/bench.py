@@ -1,0 +1,558 @@
+"""Engine-core benchmarks (`python -m harness bench ...`), each measured side by side in one run:
+
+- `throughput`: decode tokens/s of the engine at S = E (and optional smaller S) against plain
+  mlx-lm on the same model, prompt and loop, interleaved;
+- `miss`: the per-miss cost of the engine's read path against a raw `os.preadv` of the same
+  bytes into a preallocated buffer;
+- `install`: the cost of installing one expert into a table of 8 and of 64 slots.
+
+Speed is reported, never asserted: the machines are noisy.
+"""
+
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from engine import device, load
+from engine.cli import positive, probability
+from engine.config import EngineConfig
+from engine.models import registry
+from engine.predict import prompts, trace
+from engine.predict.predictors import FITTED
+from engine.runtime import staging
+from engine.runtime.engine import build_cache, open_store
+from engine.runtime.loop import decode, summarize, time_split, totals
+from engine.runtime.moe import records_to_mx
+from engine.runtime.slots import SlotTable
+
+from . import provenance, rawlog
+
+
+def add_args(p):
+    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch"])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model id (default: olmoe-tiny-f32 for throughput, olmoe-1b-7b-shape for miss/install)",
+    )
+    p.add_argument("--tokens", type=positive, default=32, help="throughput: tokens per decode")
+    p.add_argument("--repeats", type=positive, default=5, help="interleaved repetitions")
+    p.add_argument("--slots", type=positive, nargs="*", default=[], help="throughput: also run the engine at these S")
+    p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
+    p.add_argument(
+        "--installs",
+        nargs="*",
+        default=None,
+        choices=["auto", "inplace", "copy", "pinned"],
+        help="throughput: install modes to run each --slots at (default: auto)",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=["on", "off", "both"],
+        default="on",
+        help="throughput: start each MoE layer's compute at once (on), only at the next sync "
+        "(off, suffix /serial), or run both",
+    )
+    p.add_argument(
+        "--install",
+        default="auto",
+        choices=["auto", "inplace", "copy", "pinned"],
+        help="prefetch: install mode of every engine",
+    )
+    p.add_argument("--readers", type=positive, nargs="+", default=[1, 4], help="miss: reader-thread counts to measure")
+    p.add_argument(
+        "--batch",
+        type=positive,
+        nargs="+",
+        default=[1, 8],
+        help="miss: experts per batch (1: a lone miss, the common case at decode)",
+    )
+    p.add_argument(
+        "--predictors",
+        nargs="*",
+        default=["oracle", "probe", "transition", "popularity", "previous"],
+        help="prefetch: predictors to run beside demand loading",
+    )
+    p.add_argument("--depths", type=positive, nargs="+", default=[1, 2, 3], help="prefetch: depths")
+    p.add_argument("--prompts", type=positive, default=4, help="prefetch: eval prompts of --set to decode")
+    p.add_argument("--set", choices=["general", "code"], default="general", help="prefetch: prompt set")
+    p.add_argument(
+        "--min-probs",
+        type=probability,
+        nargs="+",
+        default=[0.0],
+        help="prefetch: confidence floors to run each fitted predictor at (0: its whole top-k set)",
+    )
+    p.add_argument(
+        "--record", action="store_true", help="also write the result as a raw record under results/raw/bench/<which>/"
+    )
+
+
+def _median(xs):
+    return statistics.median(xs)
+
+
+def _spread(xs) -> dict:
+    return dict(median=_median(xs), min=min(xs), max=max(xs), n=len(xs))
+
+
+def throughput(a):
+    """Engine at S = E and at each --slots (per --installs) against plain mlx-lm, interleaved:
+    every repetition runs each configuration once, in a rotating order."""
+
+    mid = a.model or "olmoe-tiny-f32"
+    ref, tok, spec = registry.load_reference(mid)
+    engines = {"S=E": load(mid, EngineConfig())}
+    installs = a.installs or ["auto"]
+    overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
+    for s in a.slots:
+        for inst in installs:
+            for ov in overlaps:
+                key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("" if ov else "/serial")
+                engines[key] = load(mid, EngineConfig(slots=s, tier=a.tier, install=inst, overlap=ov))
+    ids = tok.encode("The Python language reference describes the syntax and semantics of the language.")
+    models = {"mlx-lm": ref, **{k: e.model for k, e in engines.items()}}
+    runs = {k: [] for k in models}
+    splits = {k: [] for k in models}
+    for m in models.values():  # warm-up: first-call compilation
+        decode(m, ids, 4)
+    names = list(models)
+    for i in range(a.repeats):
+        for k in names[i % len(names) :] + names[: i % len(names)]:
+            recs = decode(models[k], ids, a.tokens)[1]
+            runs[k].append(summarize(recs)["tok_s"])
+            splits[k].append(time_split(recs))
+    hit_rate = {
+        k: e.counters()["hits"] / max(1, e.counters()["hits"] + e.counters()["misses"])
+        for k, e in engines.items()
+        if k != "S=E"
+    }
+    installs_used = {k: e.tables[0].install_mode for k, e in engines.items()}
+    for e in engines.values():
+        e.close()
+    res = {k: _median(v) for k, v in runs.items()}
+    split = {k: {p: _median([d[p] for d in v]) for p in v[0]} for k, v in splits.items() if v and v[0]}
+    out = dict(
+        bench="throughput",
+        model=mid,
+        tokens=a.tokens,
+        repeats=a.repeats,
+        tok_s=res,
+        tok_s_runs=runs,
+        tok_s_spread={k: _spread(v) for k, v in runs.items()},
+        ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"],
+        ratio_vs_resident={k: v / res["S=E"] for k, v in res.items()},
+        install=installs_used,
+        hit_rate=hit_rate,
+        time_split_ms=split,
+    )
+    print(f"{mid}: median decode tok/s over {a.repeats} interleaved runs of {a.tokens} tokens [min, max]")
+    for k, v in res.items():
+        sp = out["tok_s_spread"][k]
+        inst = installs_used.get(k, "")
+        print(
+            f"  {k:14s} {v:9.2f} tok/s [{sp['min']:.2f}, {sp['max']:.2f}]  x{out['ratio_vs_resident'][k]:.3f} "
+            f"of S=E  {inst}"
+        )
+        if k in split and k not in ("mlx-lm", "S=E"):
+            print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in split[k].items()))
+    print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
+    return out
+
+
+def _expert_batches(num_experts, k, n):
+    """n batches of k distinct experts, consecutive batches disjoint (every read misses)."""
+    order = np.arange(num_experts)
+    return [[int(order[(i * k + j) % num_experts]) for j in range(k)] for i in range(n)]
+
+
+class _PinnedFloor:
+    """The floor of a GPU miss: `preadv` into pinned host memory on the reader threads, then one
+    `cudaMemcpy` of the batch to device memory (the CUDA runtime through ctypes, as the engine's
+    pinned path uses it; no CuPy)."""
+
+    name = "preadv into pinned host memory + cudaMemcpy"
+
+    def __init__(self, store, k, pool):
+
+        self.rt, self.store, self.pool = staging.runtime(), store, pool
+        self.host = staging.aligned_empty(k * store.record_bytes).reshape(k, store.record_bytes)
+        self.rt.host_register(self.host.ctypes.data, self.host.nbytes)
+        self.dev = self.rt.malloc(self.host.nbytes)
+
+    def run(self, layer, experts):
+        st = self.store
+        futures = [
+            self.pool.submit(st.read_into, layer, e, [self.host[i, : st.expert_bytes]]) for i, e in enumerate(experts)
+        ]
+        for f in futures:
+            f.result()
+        self.rt.memcpy_h2d(self.dev, self.host.ctypes.data, len(experts) * st.record_bytes)
+        self.rt.synchronize()
+
+    def close(self):
+        self.rt.free(self.dev)
+        self.rt.host_unregister(self.host.ctypes.data)
+
+
+def miss(a):
+    """Per-miss cost of every install path against raw reads and the pinned-copy floor, for a lone
+    expert and for batches (`--batch`), each path in turn on fresh experts, interleaved."""
+
+    mid = a.model or "olmoe-1b-7b-shape"
+    model, _, spec, path = registry.load(mid, lazy=True)
+    stores = {r: open_store(mid, model, path, tier=a.tier, readers=r) for r in a.readers}
+    R = max(a.readers)
+    store = stores[R]
+    del model
+    E = store.num_experts(0)
+    # Checksums are verified on an expert's first read: do it before timing (it warms the
+    # page cache too, which is the page_cache tier's premise).
+    for s in stores.values():
+        s.verify_all(layers=[0])
+    fd = store._fds[0]
+    raw_buf = store.empty_record()
+    why_not_pinned = device.pinned_unavailable()
+    reader_pool = ThreadPoolExecutor(max_workers=R, thread_name_prefix="titan-bench-reader")
+    modes = [f"inplace_r{r}" for r in a.readers] + ["copy"] + ([] if why_not_pinned else ["pinned"])
+    if why_not_pinned:
+        print(f"  (no pinned path or floor: {why_not_pinned})", file=sys.stderr)
+
+    def drop(e):
+        if a.tier == "cold":
+            os.posix_fadvise(fd, e * store.record_bytes, store.record_bytes, os.POSIX_FADV_DONTNEED)
+
+    results, split = {}, {}
+    for k in a.batch:
+        rounds = max(1, a.repeats * (E // max(k, 1)) // (1 if k > 1 else 4))
+        batches = _expert_batches(E, k, rounds)
+        floor = None if why_not_pinned else _PinnedFloor(store, k, reader_pool)
+        tables, caches = {}, {}
+        for m in modes:
+            install = "inplace" if m.startswith("inplace") else m
+            S = max(k, 8)
+            caches[m] = build_cache(
+                stores[int(m[9:])] if m.startswith("inplace") else store, S, install=install, layers=[0]
+            )
+            tables[m] = caches[m].tables[0]
+        res = {
+            n: []
+            for n in ["raw_preadv", "raw_preadv_into_slots"]
+            + (["floor"] if floor else [])
+            + [f"engine_{m}" for m in modes]
+        }
+        sp = {f"{m}_{p}": [] for m in ("copy", "pinned") if m in modes for p in ("pread", "array", "install")}
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            for e in batch:  # one preadv per expert into one preallocated buffer, sequentially
+                drop(e)
+                os.preadv(fd, [raw_buf], e * store.record_bytes)
+            res["raw_preadv"].append((time.perf_counter() - t0) / k)
+            t0 = time.perf_counter()
+            dests = tables[modes[0]]
+            for j, e in enumerate(batch):
+                drop(e)
+                os.preadv(fd, dests.dests(j % dests.slots), e * store.record_bytes)
+            res["raw_preadv_into_slots"].append((time.perf_counter() - t0) / k)
+            if floor:
+                for e in batch:
+                    drop(e)
+                t0 = time.perf_counter()
+                floor.run(0, batch)
+                res["floor"].append((time.perf_counter() - t0) / k)
+            for m in modes[i % len(modes) :] + modes[: i % len(modes)]:  # rotate who goes first
+                cache, t = caches[m], tables[m]  # the store drops a cold record's pages itself
+                cache.stats.reset()
+                t0 = time.perf_counter()
+                cache.read_misses(0, batch, protected=set(batch))
+                if t.install_mode != "inplace":
+                    mx.eval(t.buffers)  # the lazy install, so that its cost is counted here
+                wall = (time.perf_counter() - t0) / k
+                res[f"engine_{m}"].append(wall)
+                if m in ("copy", "pinned"):
+                    st = cache.stats
+                    sp[f"{m}_pread"].append(st.pread_s / k)
+                    sp[f"{m}_array"].append(st.array_s / k)
+                    sp[f"{m}_install"].append(wall - (st.stall_s + st.array_s) / k)
+        for c in caches.values():
+            c.close()
+        if floor:
+            floor.close()
+        for n, v in res.items():
+            results[f"{n}/b{k}"] = 1e3 * _median(v)
+        for n, v in sp.items():
+            split[f"{n}/b{k}"] = 1e3 * _median(v)
+    reader_pool.shutdown()
+    for s in stores.values():
+        s.close()
+    out = dict(
+        bench="miss",
+        model=mid,
+        tier=a.tier,
+        device=device.kind(),
+        expert_bytes=store.expert_bytes,
+        batches=list(a.batch),
+        repeats=a.repeats,
+        per_miss_ms=results,
+        split_ms=split,
+        ratio_vs_raw={n: v / results[f"raw_preadv/b{n.rsplit('/b', 1)[1]}"] for n, v in results.items()},
+    )
+    if not why_not_pinned:
+        out["floor"] = _PinnedFloor.name
+        out["ratio_vs_floor"] = {n: v / results[f"floor/b{n.rsplit('/b', 1)[1]}"] for n, v in results.items()}
+    else:
+        out["pinned_unavailable"] = why_not_pinned
+    print(
+        f"{mid}: per-miss cost of one {store.expert_bytes:,}-byte expert, tier {a.tier}, medians "
+        f"(batches of {', '.join(map(str, a.batch))})"
+    )
+    for n, v in results.items():
+        extra = f"   x{out['ratio_vs_floor'][n]:.2f} of the floor" if "ratio_vs_floor" in out else ""
+        print(f"  {n:28s} {v:7.3f} ms   x{out['ratio_vs_raw'][n]:.2f} of raw preadv{extra}")
+    print("  split: " + ", ".join(f"{n} {v:.3f} ms" for n, v in split.items()))
+    return out
+
+
+def _install_diagnosis(store, block, S, repeats):
+    """Where one copy-mode install's time goes, on this device: making the MLX arrays, the
+    slot write of arrays the device has already read, a fresh array's first device read, and
+    the same for one array holding eight experts. Medians in ms per expert."""
+
+    E = store.num_experts(0)
+    t = SlotTable(0, E, S, store.tensors, install="copy")
+    ts = store.tensors
+
+    def arrays(e):  # one MLX array per tensor (the CPU's copy path)
+        return records_to_mx(block[e : e + 1], ts, one_array=False)[0]
+
+    parts = {
+        k: []
+        for k in (
+            "array",
+            "first_device_read",
+            "write_after_read",
+            "write_resident",
+            "fresh_write",
+            "batched8_array",
+            "batched8_write",
+        )
+    }
+    for i in range(repeats):
+        e = i % 8
+        t0 = time.perf_counter()
+        arrs = arrays(e)
+        mx.eval(arrs)
+        t1 = time.perf_counter()
+        mx.eval([x.sum() for x in arrs])  # the device's first read of the new arrays
+        t2 = time.perf_counter()
+        t.install_arrays((2 * i) % S, arrs)
+        mx.eval(t.buffers)
+        t3 = time.perf_counter()
+        t.install_arrays((2 * i + 1) % S, arrs)  # same arrays again: they are resident now
+        mx.eval(t.buffers)
+        t4 = time.perf_counter()
+        fresh = arrays((e + 1) % 8)
+        mx.eval(fresh)
+        t5 = time.perf_counter()
+        t.install_arrays((2 * i) % S, fresh)
+        mx.eval(t.buffers)
+        t6 = time.perf_counter()
+        parts["array"].append(t1 - t0)
+        parts["first_device_read"].append(t2 - t1)
+        parts["write_after_read"].append(t3 - t2)
+        parts["write_resident"].append(t4 - t3)
+        parts["fresh_write"].append(t6 - t5)
+        # eight experts in one MLX array (the GPU's copy path): one allocation, one transfer
+        t7 = time.perf_counter()
+        batch = records_to_mx(block, ts, one_array=True)
+        mx.eval(batch)
+        t8 = time.perf_counter()
+        for x, arrs in enumerate(batch):
+            t.install_arrays((x * 7 + i) % S, arrs)
+        mx.eval(t.buffers)
+        t9 = time.perf_counter()
+        parts["batched8_array"].append((t8 - t7) / 8)
+        parts["batched8_write"].append((t9 - t8) / 8)
+    return {k: 1e3 * _median(v) for k, v in parts.items()}
+
+
+def install(a):
+
+    mid = a.model or "olmoe-1b-7b-shape"
+    model, _, spec, path = registry.load(mid, lazy=True)
+    store = open_store(mid, model, path, readers=1)
+    del model
+    E = store.num_experts(0)
+    block, _ = store.read_block(0, range(8))
+    views = [store.views(row) for row in block]
+    per = {}
+    for S in (8, 64):
+        for mode in ("inplace", "copy"):
+            t = SlotTable(0, E, S, store.tensors, install=mode)
+            times = []
+            for i in range(a.repeats * 8):
+                e, slot = i % 8, (i * 7) % S
+                t0 = time.perf_counter()
+                if mode == "inplace":
+                    for d, v in zip(t.dests(slot), views[e]):
+                        d[:] = v.reshape(-1).view(np.uint8)
+                else:
+                    t.install_arrays(slot, records_to_mx(block[e : e + 1], store.tensors, device.one_array())[0])
+                # the device's first read of the slot (a host write moves pages on a GPU)
+                mx.eval([b[slot].sum() for b in t.buffers])
+                times.append(time.perf_counter() - t0)
+            per[f"{mode}_S{S}"] = 1e3 * _median(times)
+            del t
+            mx.clear_cache()
+    diag = _install_diagnosis(store, block, 64, a.repeats * 8)
+    store.close()
+    out = dict(
+        bench="install",
+        model=mid,
+        device=device.kind(),
+        expert_bytes=store.expert_bytes,
+        install_ms=per,
+        ratio_S64_vs_S8={m: per[f"{m}_S64"] / per[f"{m}_S8"] for m in ("inplace", "copy")},
+        diagnosis_ms=diag,
+        ratio_fresh_vs_parts=diag["fresh_write"] / (diag["array"] + diag["write_resident"]),
+        gb_s={k: store.expert_bytes / v / 1e6 for k, v in per.items()},
+    )
+    buf_mb = {S: S * store.expert_bytes / 1e6 for S in (8, 64)}
+    print(f"{mid} on {device.kind()}: installing one {store.expert_bytes:,}-byte expert (median of {a.repeats * 8})")
+    for k, v in per.items():
+        S = int(k.rsplit("S", 1)[1])
+        print(f"  {k:12s} {v:7.3f} ms  {out['gb_s'][k]:6.2f} GB/s  (buffer {buf_mb[S]:.0f} MB)")
+    for m, r in out["ratio_S64_vs_S8"].items():
+        print(f"  {m}: S=64 / S=8 = {r:.2f}")
+    print("  where a copy-mode install goes (ms per expert): " + ", ".join(f"{k} {v:.3f}" for k, v in diag.items()))
+    print(f"  fresh write / (array + write of a resident array) = {out['ratio_fresh_vs_parts']:.2f}")
+    return out
+
+
+def prefetch_bench(a):
+    """Demand loading against every predictor and depth at S = E/4 (or --slots), with resident
+    decoding (S = E) in the same run. Each prompt is one repetition: every configuration decodes
+    it in turn (rotating who goes first), so figures are medians over prompts with their range."""
+
+    mid = a.model or "olmoe-tiny-f32"
+    ref, tok, spec = registry.load_reference(mid)
+    E = spec["experts"]
+    S = a.slots[0] if a.slots else E // 4
+    configs = [("resident", 0, 0.0), ("none", 0, 0.0)] + [
+        (p, d, q) for p in a.predictors for d in a.depths for q in (a.min_probs if p in FITTED else [0.0])
+    ]
+    engines = {
+        c: load(
+            mid,
+            EngineConfig(
+                slots=None if c[0] == "resident" else S,
+                tier=a.tier,
+                install=a.install,
+                predictor="none" if c[0] == "resident" else c[0],
+                depth=max(c[1], 1),
+                fit_set=a.set,
+                min_prob=c[2],
+            ),
+        )
+        for c in configs
+    }
+    rows = prompts.load(a.set, "eval")[: a.prompts]
+    counts = ("hits", "misses", "issued", "useful", "wasted", "late")
+    per_prompt = {c: [] for c in configs}
+    for i, p in enumerate(rows):
+        ids = tok.encode(p["text"])
+        sets = trace.record(ref, ids, a.tokens)["experts"]
+        for c in configs[i % len(configs) :] + configs[: i % len(configs)]:
+            eng = engines[c]
+            eng.bind_oracle(sets)
+            _, recs, _ = decode(eng.model, ids, a.tokens)
+            per_prompt[c].append(dict(totals(recs), split=time_split(recs)))
+    installs = {c: e.tables[0].install_mode for c, e in engines.items()}
+    for eng in engines.values():
+        eng.close()
+    table = {}
+    for (name, d, q), runs in per_prompt.items():
+        tok_s = [r["tokens"] / r["seconds"] for r in runs]
+        stall = [1e3 * r["stall_s"] / r["tokens"] for r in runs]
+        tot = {k: sum(r[k] for r in runs) for k in counts}
+        table[f"{name}/d{d}" + (f"/p{q:g}" if q else "")] = dict(
+            predictor=name,
+            depth=d,
+            min_prob=q,
+            install=installs[(name, d, q)],
+            tok_s=_median(tok_s),
+            tok_s_min=min(tok_s),
+            tok_s_max=max(tok_s),
+            stall_ms_per_token=_median(stall),
+            stall_ms_min=min(stall),
+            stall_ms_max=max(stall),
+            hit_rate=tot["hits"] / (tot["hits"] + tot["misses"]) if tot["hits"] + tot["misses"] else None,
+            time_split_ms={k: _median([r["split"][k] for r in runs]) for k in runs[0]["split"]},
+            **{k: tot[k] for k in counts[2:]},
+        )
+    base = table["none/d0"]["stall_ms_per_token"]
+    resident = table["resident/d0"]["tok_s"]
+    for v in table.values():
+        v["stall_cut"] = 1 - v["stall_ms_per_token"] / base if base else None
+        v["x_resident"] = v["tok_s"] / resident
+        v["stall_x_demand"] = v["stall_ms_per_token"] / base if base else None
+    fitted = [k for k, v in table.items() if v["predictor"] in FITTED]
+    best = min(fitted, key=lambda k: table[k]["stall_ms_per_token"]) if fitted else None
+    out = dict(
+        bench="prefetch",
+        model=mid,
+        slots=S,
+        experts=E,
+        tier=a.tier,
+        prompt_set=a.set,
+        prompts=len(rows),
+        tokens=a.tokens,
+        install=a.install,
+        results=table,
+        best_fitted=best,
+    )
+    print(
+        f"{mid}: S={S}/{E}, tier {a.tier}, install {a.install}, {len(rows)} {a.set} eval prompts x {a.tokens} "
+        f"tokens (medians over prompts, [min, max])"
+    )
+    print(
+        f"  {'predictor/depth':18s} {'tok/s':>22s} {'x res':>6s} {'stall ms/tok':>13s} {'cut':>6s} {'hit':>6s} "
+        f"{'useful':>7s} {'wasted':>7s} {'late':>5s}"
+    )
+    for k, v in table.items():
+        cut = "" if v["stall_cut"] is None else f"{100 * v['stall_cut']:5.1f}%"
+        hit = "" if v["hit_rate"] is None else f"{v['hit_rate']:6.3f}"
+        rng = f"{v['tok_s']:7.2f} [{v['tok_s_min']:.1f}, {v['tok_s_max']:.1f}]"
+        print(
+            f"  {k:18s} {rng:>22s} {v['x_resident']:6.3f} {v['stall_ms_per_token']:13.3f} {cut:>6s} {hit:>6s} "
+            f"{v['useful']:7d} {v['wasted']:7d} {v['late']:5d}"
+        )
+        if v["predictor"] != "resident":
+            print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in v["time_split_ms"].items()))
+    if best:
+        print(f"  best fitted predictor: {best}")
+    return out
+
+
+def main(a):
+    started = provenance.utc_now()
+    out = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench}[a.which](a)
+    if a.record:
+        cfg = {k: v for k, v in vars(a).items() if k not in ("fn", "record")}
+        path = rawlog.write_run(
+            "bench",
+            a.which,
+            [out],
+            config=cfg,
+            seed=None,
+            started=started,
+            command=["python", "-m", "harness", *sys.argv[1:]],
+            model=out.get("model"),
+            revision=None,
+        )
+        print(f"raw record: {path}")

@@ -1,0 +1,176 @@
+"""Gate B (`design`): the cost of the engine's building blocks, on synthetic experts of a
+model's shape, and the activation-parity check on a real (embedded) model.
+
+- slot write: one expert's nine tensors written into stacked buffers of S slots, in place
+  (a read landing in slot memory) and through MLX (`buffer[slot] = array`, evaluated);
+- kernels, per layer and token: a loop of per-expert `quantized_matmul`s, one `gather_qmm`
+  over the slot table (mlx-lm's SwitchGLU), and restacking the selected experts per call;
+- parity: max |logit difference| against mlx-lm of an unfused `up * sigmoid(gate) * gate`
+  against mlx-lm's compiled SwiGLU.
+"""
+
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from engine import load, max_abs_diff
+from engine.config import EngineConfig
+from engine.models.registry import load_reference
+from engine.runtime.loop import decode
+from engine.runtime.slots import SlotTable
+from engine.runtime.store import TensorSpec, moe_layers
+
+GROUP, BITS = 64, 4
+PARITY_PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
+
+
+def expert_tensors(hidden: int, width: int, dtype: str):
+    """The nine tensors of one 4-bit expert: (name, shape, dtype) in store order."""
+    shapes = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    specs, off = [], 0
+    for proj, (out_d, in_d) in shapes.items():
+        for part, shape, dt in (
+            ("weight", (out_d, in_d * BITS // 32), "uint32"),
+            ("scales", (out_d, in_d // GROUP), dtype),
+            ("biases", (out_d, in_d // GROUP), dtype),
+        ):
+            n = int(np.prod(shape)) * (4 if dt in ("uint32", "float32") else 2)
+            specs.append(TensorSpec(f"{proj}.{part}", shape, dt, off, n))
+            off += n
+    return specs
+
+
+def _median_ms(fn, repeats):
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+def _slot_writer(table, arrays, record, S, mode):
+    """One expert's write into the next slot of `table` per call."""
+    i = [0]
+
+    def write():
+        slot = (i[0] * 7) % S
+        i[0] += 1
+        if mode == "inplace":
+            for d, r in zip(table.dests(slot), record):
+                np.frombuffer(d, np.uint8)[:] = r
+        else:
+            table.install_arrays(slot, arrays)
+            mx.eval(table.buffers)
+
+    return write
+
+
+def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0):
+    rng = np.random.default_rng(seed)
+    specs = expert_tensors(hidden, width, dtype)
+    nbytes = sum(t.nbytes for t in specs)
+    record = [rng.integers(0, 255, t.nbytes, dtype=np.uint8) for t in specs]
+    out = []
+    for S in slots_list:
+        for mode in ("inplace", "copy"):
+            table = SlotTable(0, experts, S, specs, install=mode)
+            arrays = [mx.array(r).view(getattr(mx, t.dtype)).reshape(t.shape) for r, t in zip(record, specs)]
+            mx.eval(arrays)
+            ms = _median_ms(_slot_writer(table, arrays, record, S, mode), repeats)
+            out.append(
+                dict(
+                    measure="slot_write",
+                    install=mode,
+                    slots=S,
+                    expert_bytes=nbytes,
+                    buffer_bytes=S * nbytes,
+                    ms=ms,
+                    gb_s=nbytes / ms / 1e6,
+                )
+            )
+            table = None  # free the buffers before the next size
+            mx.clear_cache()
+    return out
+
+
+def kernels(hidden, width, dtype, experts, top_k, repeats=20, seed=0):
+    """Per layer, one token: loop of quantized_matmul vs gather_qmm vs restack+gather_qmm."""
+    mx.random.seed(seed)
+    dt = getattr(mx, dtype)
+    glu = SwitchGLU(hidden, width, experts)
+    nn.quantize(glu, GROUP, BITS)
+    for p in (glu.gate_proj, glu.up_proj, glu.down_proj):
+        p.scales, p.biases = p.scales.astype(dt), p.biases.astype(dt)
+    mx.eval(glu.parameters())
+    x = mx.random.normal((1, hidden)).astype(dt)
+    idx = mx.array(np.random.default_rng(seed).choice(experts, top_k, replace=False)[None].astype(np.uint32))
+    mx.eval(x, idx)
+    sel = [int(e) for e in np.array(idx)[0]]
+
+    def qmm(p, e, v):
+        return mx.quantized_matmul(
+            v, p.weight[e], p.scales[e], p.biases[e], transpose=True, group_size=GROUP, bits=BITS
+        )
+
+    def loop():
+        outs = [qmm(glu.down_proj, e, swiglu(qmm(glu.gate_proj, e, x), qmm(glu.up_proj, e, x))) for e in sel]
+        mx.eval(outs)
+
+    def gather():
+        mx.eval(glu(x, idx))
+
+    def restack():
+        sub = SwitchGLU(hidden, width, top_k)
+        nn.quantize(sub, GROUP, BITS)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            src, dst = getattr(glu, name), getattr(sub, name)
+            for part in ("weight", "scales", "biases"):
+                dst[part] = mx.stack([src[part][e] for e in sel])
+        mx.eval(sub(x, mx.arange(top_k, dtype=mx.uint32)[None]))
+
+    return [
+        dict(measure="kernel", variant=name, ms=_median_ms(fn, repeats), experts=experts, top_k=top_k)
+        for name, fn in (("loop_quantized_matmul", loop), ("gather_qmm", gather), ("restack_gather_qmm", restack))
+    ]
+
+
+class UnfusedSwiGLU(nn.Module):
+    """up * sigmoid(gate) * gate as separate ops in the model's dtype (the paper's first try)."""
+
+    def __call__(self, x, gate):
+        return x * mx.sigmoid(gate) * gate
+
+
+def parity(model_id: str, prompt: str, steps: int = 16):
+    """Max |logit difference| against mlx-lm over a prefill and `steps` decode steps, with the
+    engine's activation unfused and with mlx-lm's compiled SwiGLU."""
+    ref, tok, spec = load_reference(model_id)
+    ids = tok.encode(prompt)
+    tokens, _, ref_logits = decode(ref, ids, steps, keep_logits=True)
+    out = []
+    for variant in ("compiled_swiglu", "unfused"):
+        eng = load(model_id, EngineConfig())
+        if variant == "unfused":
+            for _, sw in moe_layers(eng.model):
+                sw.glu.activation = UnfusedSwiGLU()
+        _, _, logits = decode(eng.model, ids, steps, forced=tokens, keep_logits=True)
+        eng.close()
+        diff = max_abs_diff(ref_logits, logits)
+        out.append(
+            dict(
+                measure="parity",
+                variant=variant,
+                model=model_id,
+                dtype=spec["dtype"],
+                steps=steps,
+                max_abs_logit_diff=diff,
+            )
+        )
+    return out
