@@ -34,7 +34,7 @@ def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for host in ("127.0.0.1", "localhost"):
         node = tmp_path / "nodes" / host
-        assert (node / "engine" / "runtime.py").exists() and (node / ".venv" / "bin" / "python").exists()
+        assert (node / "engine" / "runtime" / "engine.py").exists() and (node / ".venv" / "bin" / "python").exists()
         assert not (node / "resources").exists()  # code only, nothing built
     versions = [
         json.loads(line.split("] ", 1)[1]) for line in r.stdout.splitlines() if line.startswith("[") and "{" in line
@@ -44,7 +44,7 @@ def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
     assert "all hosts agree" in r.stdout
 
     # A node whose engine code differs (same version number) is refused by name.
-    runtime = tmp_path / "nodes" / "localhost" / "engine" / "runtime.py"
+    runtime = tmp_path / "nodes" / "localhost" / "engine" / "runtime" / "engine.py"
     runtime.write_text(runtime.read_text() + "\n# edited on this node only\n")
     r = setup(hostfile, "--dest", str(dest), "--check-only")
     assert r.returncode != 0

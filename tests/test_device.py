@@ -20,11 +20,14 @@ from harness import bench, provenance
 TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
 
 
-def test_auto_install_is_inplace_on_cpu_and_copy_on_gpu():
+def test_auto_install_resolves_per_device(monkeypatch):
     assert device.resolve_install("auto", "cpu") == "inplace"
-    assert device.resolve_install("auto", "gpu") == "copy"
     assert device.resolve_install("copy", "cpu") == "copy"
-    assert device.kind() == "cpu"  # these tests run on the CPU backend
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)  # a CUDA GPU
+    assert device.resolve_install("auto", "gpu") == "pinned"
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: "MLX's GPU here is not CUDA")  # e.g. Apple Silicon
+    assert device.resolve_install("auto", "gpu") == "copy"
+    assert device.resolve_install("pinned", "gpu") == "copy"
 
 
 def test_engine_default_resolves_auto():
@@ -102,10 +105,9 @@ def test_commit_sent_with_a_copied_tree_wins(monkeypatch):
 
 
 def test_install_bench_diagnoses_on_any_device(capsys):
-
     args = type("A", (), dict(model="olmoe-tiny", repeats=1))()
     out = bench.install(args)
-    assert out["device"] == "cpu"
+    assert out["device"] == device.kind()
     for k in (
         "array",
         "first_device_read",

@@ -97,3 +97,36 @@ def test_slot_indices_refuse_non_resident():
     assert t.slot_indices(np.array([[2]])).tolist() == [[0]]
     with pytest.raises(RuntimeError, match=r"experts \[3\] are not resident"):
         t.slot_indices(np.array([[2, 3]]))
+
+
+@pytest.mark.parametrize(
+    "policy,uses,hint,protected,victim",
+    [
+        # lru: the least recently touched goes (touch order 0, 1, 2, then 0 again: 1 is oldest)
+        ("lru", [0, 1, 2, 0], (), set(), 1),
+        ("lru", [0, 1, 2, 0], (), {1}, 2),
+        # lfu: the least used since it became resident; ties go to the least recently used
+        ("lfu", [0, 1, 2, 0, 0, 2], (), set(), 1),
+        ("lfu", [0, 1, 2, 0, 1, 1], (), set(), 2),
+        ("lfu", [0, 1, 2], (), set(), 0),  # all once: the least recent
+        # lru-predicted: LRU, sparing the experts last predicted for the layer while another can go
+        ("lru-predicted", [0, 1, 2, 0], (1,), set(), 2),
+        ("lru-predicted", [0, 1, 2, 0], (1, 2), set(), 0),
+        ("lru-predicted", [0, 1, 2], (0, 1, 2), set(), 0),  # every expert predicted: plain LRU
+    ],
+)
+def test_each_policy_evicts_its_victim(policy, uses, hint, protected, victim):
+    """Equal logits cannot reveal a wrong victim, so each policy's choice is pinned here."""
+    t = SlotTable(0, num_experts=8, slots=3, tensors=TENSORS, policy=policy)
+    for e in dict.fromkeys(uses):
+        t.claim(e)  # first use: becomes resident (counted once)
+    seen = set()
+    for e in uses:
+        if e in seen:
+            t.touch([e])
+        seen.add(e)
+    t.hint(hint)
+    slot = t.slot_of[victim]
+    assert t.claim(7, protected=protected | {7}) == slot
+    assert not t.resident(victim) and t.resident(7)
+    check_consistent(t)

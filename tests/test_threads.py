@@ -1,6 +1,6 @@
 """The thread ablation: on this MLX version an array created in one thread cannot be evaluated
-in another (streams are thread-local), which is why the engine's reader threads return NumPy
-views and only the decode thread creates MLX arrays."""
+in another (streams are thread-local), which is why the engine's reader threads only read into
+host buffers and every MLX call is made by the decode thread (checked on the engine itself)."""
 
 import threading
 
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import PROMPT
 
-from engine import EngineConfig, load
+from engine import EngineConfig, device, load
 from engine.models.registry import load_reference
 from engine.predict import trace
-from engine.runtime import moe
+from engine.runtime import moe, slots, staging
+from engine.runtime import store as store_mod
 from engine.runtime.loop import decode
 
 
@@ -29,38 +30,61 @@ def test_an_array_made_in_a_reader_thread_cannot_be_evaluated_elsewhere():
         mx.eval(box["a"])
 
 
-def test_numpy_views_from_a_reader_thread_are_safe():
-    box = {}
+class _Spy:
+    """Stands in for `mlx.core` inside the engine's modules: records the thread of every call."""
 
-    def reader():
-        box["v"] = np.arange(8, dtype=np.float32)  # what the store's readers hand over
+    def __init__(self, real, seen):
+        self._real, self._seen = real, seen
 
-    t = threading.Thread(target=reader)
-    t.start()
-    t.join()
-    assert (np.array(mx.array(box["v"]) * 2) == np.arange(8) * 2).all()
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            self._seen.add(threading.current_thread().name)
+            return attr(*a, **k)
+
+        return call
 
 
-@pytest.mark.parametrize("install", ["copy", "inplace"])
-def test_engine_makes_mlx_arrays_only_in_the_decode_thread(monkeypatch, install):
-    threads = set()
-    real = moe.records_to_mx
+@pytest.mark.parametrize("install", ["inplace", "copy", "pinned"])
+def test_reader_threads_only_read_and_mlx_runs_in_the_decode_thread(monkeypatch, install):
+    """Every MLX call the engine makes (arrays from records, installs, copies) happens in the
+    decode thread; the reader threads only read, into host buffers (NumPy or slot memory)."""
+    if install == "pinned":
+        real = device.resolve_install
+        monkeypatch.setattr(device, "resolve_install", lambda m, k=None: "pinned" if m == "pinned" else real(m, k))
+        monkeypatch.setattr(staging, "make_memory", staging.HostMemory)
+    mlx_threads, read_threads, dest_types = set(), set(), set()
+    for mod in (moe, staging, slots, store_mod):
+        monkeypatch.setattr(mod, "mx", _Spy(mx, mlx_threads))
+    real_read = store_mod.Store.read_into
 
-    def spy(block, tensors, one_array):
-        threads.add(threading.current_thread().name)
-        assert isinstance(block, np.ndarray)
-        return real(block, tensors, one_array)
+    def read_into(self, layer, expert, dests):
+        read_threads.add(threading.current_thread().name)
+        dest_types.update(type(d) for d in dests)
+        return real_read(self, layer, expert, dests)
 
-    monkeypatch.setattr(moe, "records_to_mx", spy)
-    eng = load("olmoe-tiny", EngineConfig(slots=16, install=install, readers=4, predictor="oracle"))
+    monkeypatch.setattr(store_mod.Store, "read_into", read_into)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install, readers=4, predictor="oracle"))
     try:
         ids = eng.tokenizer.encode(PROMPT)
-
-        eng.bind_oracle(trace.record(load_reference("olmoe-tiny")[0], ids, 4)["experts"])
+        eng.bind_oracle(trace.record(load_reference("qwen3moe-tiny")[0], ids, 4)["experts"])
+        mlx_threads.clear()
         decode(eng.model, ids, 4)
-        assert eng.counters()["misses"] > 0
+        assert eng.counters()["misses"] > 0 and eng.cache.stats.useful > 0
     finally:
         eng.close()
-    assert threads <= {threading.main_thread().name}
-    if install == "copy":
-        assert threads, "copy mode made its arrays through records_to_mx"
+    assert mlx_threads == {threading.main_thread().name}
+    assert any(t.startswith("titan-reader") for t in read_threads), read_threads  # prefetches, at least
+    assert dest_types <= {np.ndarray, memoryview}, dest_types
+
+
+def test_control_the_spy_sees_a_call_from_another_thread(monkeypatch):
+    seen = set()
+    monkeypatch.setattr(moe, "mx", _Spy(mx, seen))
+    t = threading.Thread(target=lambda: moe.mx.array([1.0]), name="titan-reader-x")
+    t.start()
+    t.join()
+    assert seen == {"titan-reader-x"}

@@ -28,7 +28,6 @@ rule figures:
     params:
         raw="results/raw",
         figdir="figures",
-        readme="README.md",
     script:
         "../scripts/regenerate.py"
 

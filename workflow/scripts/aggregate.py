@@ -465,7 +465,7 @@ paper's. Generated from results/raw/ by workflow/scripts/aggregate.py.
 
 
 def write_claims(df, path):
-    """figures/claims.md: the claims table with how to read it (the README embeds it)."""
+    """figures/claims.md: the claims table with how to read it (the README links to it)."""
     cols = ["claim", "paper", "machine", "reproduced", "ratio", "paper_ratio", "direction", "within_tolerance", "note"]
     lines = [CLAIMS_HEADER, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in df.reindex(columns=cols).itertuples(index=False):
@@ -528,18 +528,3 @@ def build(raw_root, figdir):
             df = pd.DataFrame(columns=["empty"])
         write(df, figdir / "tables" / f"{name}.csv", figdir / "tables" / f"{name}.md")
     return tables
-
-
-START, END = "<!-- claims:start (generated from figures/claims.md) -->", "<!-- claims:end -->"
-
-
-def embed_claims(claims_md, readme):
-    """Put the claims table into the README between its markers (the README's own text around
-    it says where the reproduction does not hold)."""
-    readme = Path(readme)
-    text = readme.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{readme}: no claims markers ({START} ... {END})")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + START + "\n" + Path(claims_md).read_text() + END + tail)

@@ -12,4 +12,3 @@ with logged(snakemake):
     figdir = Path(snakemake.params.figdir)
     aggregate.build(snakemake.params.raw, figdir)
     plotting.build(figdir)
-    aggregate.embed_claims(figdir / "claims.md", snakemake.params.readme)
