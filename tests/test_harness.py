@@ -169,8 +169,18 @@ def test_dry_run_of_all_plans_every_gate():
     r = snakemake("-n", "all")
     assert r.returncode == 0, r.stderr
     jobs = job_stats(r.stdout)
-    for rule in ("design", "prefetch_online", "predictor_quality", "routing", "sync_ablation", "placement_sim",
-                 "multinode", "wire_ablation", "tables", "plots"):
+    for rule in (
+        "design",
+        "prefetch_online",
+        "predictor_quality",
+        "routing",
+        "sync_ablation",
+        "placement_sim",
+        "multinode",
+        "wire_ablation",
+        "tables",
+        "plots",
+    ):
         assert jobs.get(rule, 0) >= 1, (rule, jobs)
 
 
@@ -241,6 +251,14 @@ def test_readme_is_a_front_door_linking_every_guide_and_result():
     regenerate = (ROOT / "workflow" / "scripts" / "regenerate.py").read_text()
     assert "README" not in regenerate
     results = (ROOT / "docs" / "results.md").read_text()
-    for png in ("design", "throughput_vs_slots", "stall_vs_slots", "miss_breakdown", "predictor_recall", "routing",
-                "train_loss", "placement"):
+    for png in (
+        "design",
+        "throughput_vs_slots",
+        "stall_vs_slots",
+        "miss_breakdown",
+        "predictor_recall",
+        "routing",
+        "train_loss",
+        "placement",
+    ):
         assert f"(../figures/{png}.png)" in results and (ROOT / "figures" / f"{png}.png").exists(), png
