@@ -1,5 +1,8 @@
-# Titan's experiment harness: gates B (design) and C (prefetch_online) on the engine, raw logs
-# under results/raw/, tables and figures regenerated from them. See README.md for the targets.
+# Titan's experiment harness: gates B (design), C (prefetch_online) and F (placement) on the
+# engine, raw logs under results/raw/, tables and figures made from them (docs/workflow.md).
+from snakemake.utils import min_version
+
+min_version("9.0")
 
 
 configfile: "workflow/config/default.yaml"
@@ -15,7 +18,18 @@ include: "workflow/rules/figures.smk"
 
 
 rule all:
+    # This run's measurements (run id: config `run`), then its tables and figures, made from
+    # every raw log there is, under results/runs/RUN/figures/. A rerun resumes the run.
     default_target: True
+    input:
+        raw_outputs("results"),
+        tables(f"results/runs/{RUN}/figures"),
+        plots(f"results/runs/{RUN}/figures"),
+
+
+rule figures:
+    # The published tables and figures (figures/) from the raw logs already under results/raw/;
+    # measures nothing.
     input:
         tables("figures"),
         plots("figures"),

@@ -2,6 +2,8 @@
 slots, predictors and depth, on one model, tier and prompt set, with resident mlx-lm as the
 ceiling measured in the same run; and the offline quality of every predictor."""
 
+import numpy as np
+
 from engine import load
 from engine.config import EngineConfig
 from engine.models.registry import load_reference
@@ -46,6 +48,43 @@ def summarize(acc) -> dict:
     return res
 
 
+TIMED = ("tok_s", "stall_ms_per_token", "late_stall_ms_per_token", "sync_ms_per_token", "per_miss_pread_ms",
+         "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms")
+
+
+def summarize_repeats(accs) -> dict:
+    """One configuration over its repetitions: counts over all of them; every timed figure the
+    median of the repetitions' values, with their minimum and maximum (`<figure>_min`, `_max`)."""
+    total = {}
+    for acc in accs:
+        for k, v in acc.items():
+            total[k] = total.get(k, 0) + v
+    res = summarize(total)
+    each = [summarize(acc) for acc in accs]
+    for k in TIMED:
+        vals = [e[k] for e in each if e.get(k) is not None]
+        if vals:
+            res[k], res[f"{k}_min"], res[f"{k}_max"] = float(np.median(vals)), min(vals), max(vals)
+    res["repeats"] = len(accs)
+    return res
+
+
+def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None) -> dict:
+    """Every model decodes every input once per repetition, in an order that rotates between
+    repetitions; returns per model the list of each repetition's totals."""
+    names = list(models)
+    accs = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            acc = {}
+            for i, ids in enumerate(inputs):
+                if bind is not None:
+                    bind(n, i)
+                accumulate(acc, decode(models[n], ids, tokens)[1])
+            accs[n].append(acc)
+    return accs
+
+
 def sweep(
     model_id,
     tier,
@@ -60,42 +99,46 @@ def sweep(
     install="auto",
     progress=None,
     size=None,
+    repeats=3,
 ):
-    """One result dict per configuration (see `configs`)."""
+    """One result dict per configuration (see `configs`): each configuration decodes every
+    prompt once per repetition, the configurations interleaved (summarize_repeats)."""
     ref, tok, spec = load_reference(model_id)
     E = spec["experts"]
     rows = prompts.load(prompt_set, "eval")[:n_prompts]
     inputs = [tok.encode(p["text"]) for p in rows]
     oracle_sets = [trace.record(ref, ids, tokens)["experts"] for ids in inputs]
     decode(ref, inputs[0], 2)  # warm-up
+    engines = {}
+    try:
+        for S, name, depth in configs(E, slots, predictor_names, depths):
+            if name != "mlx-lm":
+                engines[S, name, depth] = load(
+                    model_id,
+                    EngineConfig(
+                        slots=S,
+                        tier=tier,
+                        readers=readers,
+                        install=install,
+                        predictor=name,
+                        depth=max(depth, 1),
+                        fit_set=prompt_set,
+                        trace_tokens=fit_tokens,
+                        predict_size=size,
+                    ),
+                )
+                engines[S, name, depth].bind_oracle(oracle_sets[0])
+                decode(engines[S, name, depth].model, inputs[0], min(2, tokens))  # warm-up
+        models = {(E, "mlx-lm", 0): ref, **{c: e.model for c, e in engines.items()}}
+        accs = run_interleaved(
+            models, inputs, tokens, repeats, bind=lambda c, i: c in engines and engines[c].bind_oracle(oracle_sets[i])
+        )
+    finally:
+        for eng in engines.values():
+            eng.close()
     results = []
-    for S, name, depth in configs(E, slots, predictor_names, depths):
-        acc = {}
-        eng = None
-        if name != "mlx-lm":
-            eng = load(
-                model_id,
-                EngineConfig(
-                    slots=S,
-                    tier=tier,
-                    readers=readers,
-                    install=install,
-                    predictor=name,
-                    depth=max(depth, 1),
-                    fit_set=prompt_set,
-                    trace_tokens=fit_tokens,
-                    predict_size=size,
-                ),
-            )
-        try:
-            model = ref if eng is None else eng.model
-            for ids, sets in zip(inputs, oracle_sets):
-                if eng is not None:
-                    eng.bind_oracle(sets)
-                accumulate(acc, decode(model, ids, tokens)[1])
-        finally:
-            if eng is not None:
-                eng.close()
+    for S, name, depth in models:
+        eng = engines.get((S, name, depth))
         res = dict(
             model=model_id,
             tier=tier,
@@ -106,7 +149,7 @@ def sweep(
             depth=depth,
             prompts=len(rows),
             install=None if eng is None else eng.tables[0].install_mode,
-            **summarize(acc),
+            **summarize_repeats(accs[S, name, depth]),
         )
         results.append(res)
         if progress:
@@ -155,9 +198,9 @@ def quality(model_id, prompt_set, predictor_names, depths, slots, fit_tokens=32,
     return out
 
 
-def sync_ablation(model_id, tier, prompt_set, slots, n_prompts, tokens, installs=("copy",), readers=4):
+def sync_ablation(model_id, tier, prompt_set, slots, n_prompts, tokens, installs=("copy",), readers=4, repeats=3):
     """The paper's per-miss synchronisation (one read at a time, the slot table evaluated after
-    every miss) against the batched path, demand loading at `slots`, interleaved per prompt."""
+    every miss) against the batched path, demand loading at `slots`, interleaved and repeated."""
     ref, tok, spec = load_reference(model_id)
     rows = prompts.load(prompt_set, "eval")[:n_prompts]
     inputs = [tok.encode(p["text"]) for p in rows]
@@ -166,13 +209,10 @@ def sync_ablation(model_id, tier, prompt_set, slots, n_prompts, tokens, installs
         v: load(model_id, EngineConfig(slots=slots, tier=tier, readers=readers, install=v[0], sync=v[1]))
         for v in variants
     }
-    acc = {v: {} for v in variants}
     try:
         for eng in engines.values():
             decode(eng.model, inputs[0], 2)  # warm-up
-        for ids in inputs:
-            for v, eng in engines.items():
-                accumulate(acc[v], decode(eng.model, ids, tokens)[1])
+        accs = run_interleaved({v: e.model for v, e in engines.items()}, inputs, tokens, repeats)
     finally:
         for eng in engines.values():
             eng.close()
@@ -186,7 +226,7 @@ def sync_ablation(model_id, tier, prompt_set, slots, n_prompts, tokens, installs
             install=i,
             sync=s,
             prompts=len(rows),
-            **summarize(acc[(i, s)]),
+            **summarize_repeats(accs[i, s]),
         )
         for i, s in variants
     ]

@@ -1,22 +1,40 @@
+import os
 import sys
 from pathlib import Path
 
+import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 
 validate(config, "../schemas/config.schema.yaml")
+# The smoke run's settings: the same schema, kept small (.test/config/config.yaml).
+SMOKE = yaml.safe_load((Path(workflow.basedir) / ".test" / "config" / "config.yaml").read_text())
+validate(SMOKE, "../schemas/config.schema.yaml")
 
 sys.path.insert(0, workflow.basedir)
 from engine.models import registry  # noqa: E402
-from harness import rawlog  # noqa: E402
+from harness import provenance  # noqa: E402
 
 # The interpreter running Snakemake runs the engine too (the project's virtual environment).
 PYTHON = sys.executable
-# Every benchmark output of this invocation carries this run id: a rerun adds new raw files.
-RUN = rawlog.new_run_id()
-# `snakemake figures` regenerates tables and figures from the raw logs already there.
-FIGURES_ONLY = bool({"figures", "environment"} & set(sys.argv[1:]))
+
+
+def run_id(value):
+    """This invocation's run id. `auto` is decided once, by the process that plans the run, and
+    handed to every job it spawns through the environment (an executor such as SLURM's or
+    cluster-generic's parses this file again in each job's own Snakemake)."""
+    if value != "auto":
+        return value
+    if os.environ.get("TITAN_RUN"):
+        return os.environ["TITAN_RUN"]
+    state = provenance.git_state()
+    commit = (state["commit"] or "nocommit")[:12] + ("-dirty" if state["dirty"] else "")
+    return f"{commit}-{provenance.host_alias()}"
+
+
+RUN = run_id(config.get("run", "auto"))
+os.environ["TITAN_RUN"] = RUN
 
 TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss",
           "placement_sim", "multinode", "sync_ablation", "wire_ablation", "bench", "claims"]
@@ -27,7 +45,7 @@ FITTED = ["popularity", "transition", "probe"]
 
 wildcard_constraints:
     out="results|results/smoke",
-    figdir="figures|results/smoke/figures",
+    figdir="figures|results/smoke/figures|results/runs/[A-Za-z0-9][A-Za-z0-9._-]*/figures",
     tier="page_cache|cold",
     pset="general|code",
     split="fit|eval",
@@ -35,12 +53,26 @@ wildcard_constraints:
 
 
 def settings(out):
-    """The configuration section an output tree is made with."""
-    return config if out == "results" else config["smoke"]
+    """The configuration an output tree is made with."""
+    return config if out == "results" else SMOKE
 
 
 def out_of(figdir):
-    return "results" if figdir == "figures" else "results/smoke"
+    return "results/smoke" if figdir.startswith("results/smoke") else "results"
+
+
+def existing_raw(out):
+    """Every raw file already under an output tree (what `figures` tables)."""
+    return sorted(str(p) for p in Path(out, "raw").rglob("*.jsonl"))
+
+
+def raw_inputs(figdir):
+    """What a figure folder's tables are made from: `figures/` from the raw logs already there;
+    a run's folder (results/runs/RUN/figures) and the smoke folder from those and this run's."""
+    out = out_of(figdir)
+    if figdir == "figures":
+        return existing_raw(out)
+    return sorted(set(existing_raw(out)) | set(raw_outputs(out)))
 
 
 def spec(model):
@@ -52,7 +84,7 @@ def spec(model):
 
 def check_models():
     """Refuse unknown models and absent real weights before any job runs."""
-    for section in (config, config["smoke"]):
+    for section in (config, SMOKE):
         for m in (section["prefetch_online"]["models"] + section["design"]["parity_models"]
                   + section["routing"]["models"] + section["placement"]["models"]
                   + section["ablations"]["sync"]["models"] + section["ablations"]["wire"]["models"]):
@@ -64,8 +96,7 @@ def check_models():
                     raise WorkflowError(f"profile {config['profile']}: {e}")
 
 
-if not FIGURES_ONLY:
-    check_models()
+check_models()
 
 
 def model_input(model):
@@ -123,3 +154,12 @@ def fitted_files(model, psets, names, depths, po):
 def fitted_inputs(wc):
     po = settings(wc.out)["prefetch_online"]
     return fitted_files(wc.model, [wc.pset], po["predictors"], po["depths"], po) + model_input(wc.model)
+
+
+# Say plainly when this run id has nothing left to measure (the planning process only: a job
+# spawned by an executor inherits TITAN_RUN and stays quiet).
+if os.environ.get("TITAN_RUN_PLANNER", RUN) == RUN and all(os.path.exists(f) for f in raw_outputs("results")):
+    print(f"[titan] run {RUN}: every measurement of this run id is already under results/raw/; `all` only "
+          f"makes its tables and figures. To measure anew: snakemake --cores 2 all --config run=NEW_NAME",
+          file=sys.stderr)
+os.environ.setdefault("TITAN_RUN_PLANNER", RUN)

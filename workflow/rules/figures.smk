@@ -19,19 +19,6 @@ rule plots:
         "../scripts/plots.py"
 
 
-rule figures:
-    # Tables and figures from the raw logs already under results/raw/; runs no benchmark.
-    log:
-        "results/logs/figures.log",
-    conda:
-        "../envs/titan.yaml"
-    params:
-        raw="results/raw",
-        figdir="figures",
-    script:
-        "../scripts/regenerate.py"
-
-
 rule environment:
     # This machine's raw probe (resources/probes/, never committed) and the sanitised inventory
     # artifacts/environment.json, in which every raw record's host alias resolves.

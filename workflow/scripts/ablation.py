@@ -16,7 +16,14 @@ if snakemake.rule == "sync_ablation":
         "C",
         "sync_ablation",
         lambda: online.sync_ablation(
-            wc.model, s["tier"], wc.pset, s["slots"], s["prompts"], s["tokens"], installs=s["installs"]
+            wc.model,
+            s["tier"],
+            wc.pset,
+            s["slots"],
+            s["prompts"],
+            s["tokens"],
+            installs=s["installs"],
+            repeats=s.get("repeats", 3),
         ),
     )
 else:

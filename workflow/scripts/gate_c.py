@@ -24,6 +24,7 @@ run_gate(
         readers=s["readers"],
         fit_tokens=s["fit_tokens"],
         size=s["predict_size"],
+        repeats=s.get("repeats", 3),
         progress=lambda r: print(r, flush=True),
     ),
 )
