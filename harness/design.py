@@ -45,14 +45,19 @@ def expert_tensors(hidden: int, width: int, dtype: str):
     return specs
 
 
-def _median_ms(fn, repeats):
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
+def _interleaved_ms(fns: dict, repeats) -> dict:
+    """Each of `fns` timed `repeats` times after a warm-up, one call of each per round in an order
+    that rotates between rounds: per name, the median, min and max in ms."""
+    names = list(fns)
+    for n in names:
+        fns[n]()  # warm-up
+    ts = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            fns[n]()
+            ts[n].append(1e3 * (time.perf_counter() - t0))
+    return {n: dict(ms=statistics.median(v), ms_min=min(v), ms_max=max(v), repeats=repeats) for n, v in ts.items()}
 
 
 def _slot_writer(table, arrays, record, S, mode):
@@ -77,26 +82,29 @@ def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0):
     specs = expert_tensors(hidden, width, dtype)
     nbytes = sum(t.nbytes for t in specs)
     record = [rng.integers(0, 255, t.nbytes, dtype=np.uint8) for t in specs]
-    out = []
+    tables, writers = [], {}
     for S in slots_list:
         for mode in ("inplace", "copy"):
             table = SlotTable(0, experts, S, specs, install=mode)
             arrays = [mx.array(r).view(getattr(mx, t.dtype)).reshape(t.shape) for r, t in zip(record, specs)]
             mx.eval(arrays)
-            ms = _median_ms(_slot_writer(table, arrays, record, S, mode), repeats)
-            out.append(
-                dict(
-                    measure="slot_write",
-                    install=mode,
-                    slots=S,
-                    expert_bytes=nbytes,
-                    buffer_bytes=S * nbytes,
-                    ms=ms,
-                    gb_s=nbytes / ms / 1e6,
-                )
-            )
-            table = None  # free the buffers before the next size
-            mx.clear_cache()
+            tables.append(table)
+            writers[S, mode] = _slot_writer(table, arrays, record, S, mode)
+    timed = _interleaved_ms(writers, repeats)
+    out = [
+        dict(
+            measure="slot_write",
+            install=mode,
+            slots=S,
+            expert_bytes=nbytes,
+            buffer_bytes=S * nbytes,
+            gb_s=nbytes / t["ms"] / 1e6,
+            **t,
+        )
+        for (S, mode), t in timed.items()
+    ]
+    tables.clear()
+    mx.clear_cache()
     return out
 
 
@@ -135,10 +143,10 @@ def kernels(hidden, width, dtype, experts, top_k, repeats=20, seed=0):
                 dst[part] = mx.stack([src[part][e] for e in sel])
         mx.eval(sub(x, mx.arange(top_k, dtype=mx.uint32)[None]))
 
-    return [
-        dict(measure="kernel", variant=name, ms=_median_ms(fn, repeats), experts=experts, top_k=top_k)
-        for name, fn in (("loop_quantized_matmul", loop), ("gather_qmm", gather), ("restack_gather_qmm", restack))
-    ]
+    timed = _interleaved_ms(
+        {"loop_quantized_matmul": loop, "gather_qmm": gather, "restack_gather_qmm": restack}, repeats
+    )
+    return [dict(measure="kernel", variant=name, experts=experts, top_k=top_k, **t) for name, t in timed.items()]
 
 
 class UnfusedSwiGLU(nn.Module):

@@ -48,8 +48,16 @@ def summarize(acc) -> dict:
     return res
 
 
-TIMED = ("tok_s", "stall_ms_per_token", "late_stall_ms_per_token", "sync_ms_per_token", "per_miss_pread_ms",
-         "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms")
+TIMED = (
+    "tok_s",
+    "stall_ms_per_token",
+    "late_stall_ms_per_token",
+    "sync_ms_per_token",
+    "per_miss_pread_ms",
+    "per_miss_array_ms",
+    "per_miss_install_ms",
+    "per_miss_stall_ms",
+)
 
 
 def summarize_repeats(accs) -> dict:
@@ -75,7 +83,7 @@ def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None) 
     names = list(models)
     accs = {n: [] for n in names}
     for r in range(repeats):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             acc = {}
             for i, ids in enumerate(inputs):
                 if bind is not None:

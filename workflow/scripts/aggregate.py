@@ -49,7 +49,8 @@ def design_table(recs):
         variant = res.get("install") or res.get("variant")
         slots = res.get("slots")
         paper = PAPER.get((res["measure"], variant, slots if res["measure"] == "slot_write" else None))
-        value = res["max_abs_logit_diff"] if res["measure"] == "parity" else res["ms"]
+        parity = res["measure"] == "parity"
+        value = res["max_abs_logit_diff"] if parity else res["ms"]
         rows.append(
             dict(
                 **machine_cols(r),
@@ -59,7 +60,9 @@ def design_table(recs):
                 model=res.get("model"),
                 dtype=r["config"].get("dtype") if res["measure"] != "parity" else res.get("dtype"),
                 value=value,
-                unit="max|dlogit|" if res["measure"] == "parity" else "ms",
+                value_min=None if parity else res.get("ms_min"),
+                value_max=None if parity else res.get("ms_max"),
+                unit="max|dlogit|" if parity else "ms",
                 paper=paper,
                 started_utc=r["started_utc"],
                 run_id=r["run_id"],
@@ -85,8 +88,13 @@ def prefetch_table(recs):
     df = latest(online_rows(recs), ONLINE_KEYS)
     cols = ONLINE_KEYS + [
         "experts",
+        "install",
         "tok_s",
+        "tok_s_min",
+        "tok_s_max",
         "stall_ms_per_token",
+        "stall_ms_per_token_min",
+        "stall_ms_per_token_max",
         "late_stall_ms_per_token",
         "hit_rate",
         "issued",
@@ -94,6 +102,7 @@ def prefetch_table(recs):
         "wasted",
         "late",
         "tokens",
+        "repeats",
         "runs",
     ]
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
@@ -102,7 +111,8 @@ def prefetch_table(recs):
 def miss_table(recs):
     df = prefetch_table(recs)
     keep = MACHINE + ["model", "tier", "prompt_set", "slots"]
-    cols = keep + ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms", "misses"]
+    split = ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]
+    cols = keep + [f"{c}{x}" for c in split for x in ("", "_min", "_max")] + ["misses", "repeats"]
     if df.empty:
         return pd.DataFrame(columns=cols)
     full = latest(online_rows(recs), ONLINE_KEYS)
@@ -201,12 +211,17 @@ def sync_table(recs):
     keys = MACHINE + ["model", "tier", "prompt_set", "slots", "install", "sync"]
     cols = keys + [
         "tok_s",
+        "tok_s_min",
+        "tok_s_max",
         "stall_ms_per_token",
+        "stall_ms_per_token_min",
+        "stall_ms_per_token_max",
         "per_miss_stall_ms",
         "per_miss_array_ms",
         "per_miss_install_ms",
         "misses",
         "tokens",
+        "repeats",
         "runs",
     ]
     df = latest(online_rows(recs), keys)
@@ -282,20 +297,58 @@ def res_get(rec, key):
 TOLERANCE = 1.5  # a reproduced ratio agrees when within a factor of 1.5 of the paper's
 
 
-def _agree(paper_ratio, ratio):
-    if ratio is None or paper_ratio is None or ratio != ratio:
+def _verdict(lo, hi, band):
+    """yes: the whole interval [lo, hi] lies in `band`; no: none of it does; else unresolved."""
+    if band[0] <= lo and hi <= band[1]:
+        return "yes"
+    if hi < band[0] or lo > band[1]:
+        return "no"
+    return "unresolved"
+
+
+def _agree(paper_ratio, interval):
+    """(direction, within_tolerance) of a reproduced ratio's interval against the paper's ratio.
+    Without a spread (a single run, or a record from before repetitions) nothing is decided."""
+    if paper_ratio is None:
         return "", ""
-    same_side = (ratio > 1) == (paper_ratio > 1) if paper_ratio != 1 else abs(ratio - 1) < TOLERANCE - 1
-    within = max(ratio / paper_ratio, paper_ratio / ratio) <= TOLERANCE if ratio > 0 and paper_ratio > 0 else False
-    return ("yes" if same_side else "no"), ("yes" if within else "no")
+    if interval is None or any(x is None or x != x for x in interval):
+        return "unresolved (no spread)", "unresolved (no spread)"
+    lo, hi = interval
+    if paper_ratio == 1:
+        side = (1 / TOLERANCE if TOLERANCE > 1 else 0.0, TOLERANCE)  # "does not grow": within the tolerance of 1
+    elif paper_ratio > 1:
+        side = (1.0 + 1e-12, float("inf"))
+    else:
+        side = (0.0, 1.0 - 1e-12)
+    return _verdict(lo, hi, side), _verdict(lo, hi, (paper_ratio / TOLERANCE, paper_ratio * TOLERANCE))
+
+
+def _ratio_interval(num, den):
+    """The range of num / den over the two figures' (min, max) ranges; None without both."""
+    (n_lo, n_hi), (d_lo, d_hi) = num, den
+    if any(x is None or x != x or x <= 0 for x in (n_lo, n_hi, d_lo, d_hi)):
+        return None
+    return n_lo / d_hi, n_hi / d_lo
 
 
 def claims_table(tables):
     """One row per claim and machine: the paper's figure and ratio, the reproduced ones."""
     rows = []
 
-    def add(claim, paper, paper_ratio, machine, reproduced, ratio, source, direction=None, within=None, note=""):
-        d, w = _agree(paper_ratio, ratio)
+    def add(
+        claim,
+        paper,
+        paper_ratio,
+        machine,
+        reproduced,
+        ratio,
+        source,
+        direction=None,
+        within=None,
+        note="",
+        interval=None,
+    ):
+        d, w = _agree(paper_ratio, interval)
         rows.append(
             dict(
                 claim=claim,
@@ -304,6 +357,8 @@ def claims_table(tables):
                 machine=machine,
                 reproduced=reproduced,
                 ratio=ratio,
+                ratio_low=None if interval is None else interval[0],
+                ratio_high=None if interval is None else interval[1],
                 direction=direction or d,
                 within_tolerance=within or w,
                 note=note,
@@ -320,8 +375,10 @@ def claims_table(tables):
         mname = f"{m[0]} {m[1]}"
         w = g[g["measure"] == "slot_write"]
         for inst, gi in w.groupby("variant", sort=True):
-            v = gi.set_index("slots")["value"]
+            gi = gi.set_index("slots")
+            v = gi["value"]
             if 8 in v and 64 in v:
+                spread = gi.reindex(columns=["value_min", "value_max"])
                 add(
                     f"slot write cost does not grow with the buffer ({inst}; S=64 / S=8)",
                     "0.305 ms at 64 slots, buffer reused",
@@ -330,8 +387,15 @@ def claims_table(tables):
                     f"{v[8]:.3f} ms at 8, {v[64]:.3f} ms at 64",
                     v[64] / v[8],
                     "tables/design",
+                    interval=_ratio_interval(tuple(spread.loc[64]), tuple(spread.loc[8])),
                 )
-        k = g[g["measure"] == "kernel"].set_index("variant")["value"]
+        kt = g[g["measure"] == "kernel"].set_index("variant")
+        k = kt["value"]
+
+        def kernel_interval(a, b, kt=kt):
+            sp = kt.reindex(columns=["value_min", "value_max"])
+            return _ratio_interval(tuple(sp.loc[a]), tuple(sp.loc[b]))
+
         if {"gather_qmm", "loop_quantized_matmul", "restack_gather_qmm"} <= set(k.index):
             add(
                 "per-expert loop vs gather_qmm (loop / gather_qmm)",
@@ -341,6 +405,7 @@ def claims_table(tables):
                 f"{k['loop_quantized_matmul']:.3f} vs {k['gather_qmm']:.3f} ms",
                 k["loop_quantized_matmul"] / k["gather_qmm"],
                 "tables/design",
+                interval=kernel_interval("loop_quantized_matmul", "gather_qmm"),
             )
             add(
                 "restack vs gather_qmm (restack / gather_qmm)",
@@ -350,6 +415,7 @@ def claims_table(tables):
                 f"{k['restack_gather_qmm']:.3f} vs {k['gather_qmm']:.3f} ms",
                 k["restack_gather_qmm"] / k["gather_qmm"],
                 "tables/design",
+                interval=kernel_interval("restack_gather_qmm", "gather_qmm"),
             )
         par = g[g["measure"] == "parity"]
         for model, gp in par.groupby("model", sort=True):
@@ -404,6 +470,10 @@ def claims_table(tables):
             f"{v.loc['per_miss', 'tok_s']:.1f} -> {v.loc['batched', 'tok_s']:.1f} tok/s",
             v.loc["batched", "tok_s"] / v.loc["per_miss", "tok_s"],
             "tables/sync_ablation",
+            interval=_ratio_interval(
+                (v.loc["batched", "tok_s_min"], v.loc["batched", "tok_s_max"]),
+                (v.loc["per_miss", "tok_s_min"], v.loc["per_miss", "tok_s_max"]),
+            ),
             note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens",
         )
         add(
@@ -414,6 +484,10 @@ def claims_table(tables):
             f"{v.loc['per_miss', 'stall_ms_per_token']:.2f} -> {v.loc['batched', 'stall_ms_per_token']:.2f} ms/token",
             v.loc["batched", "stall_ms_per_token"] / v.loc["per_miss", "stall_ms_per_token"],
             "tables/sync_ablation",
+            interval=_ratio_interval(
+                (v.loc["batched", "stall_ms_per_token_min"], v.loc["batched", "stall_ms_per_token_max"]),
+                (v.loc["per_miss", "stall_ms_per_token_min"], v.loc["per_miss", "stall_ms_per_token_max"]),
+            ),
             note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens",
         )
 
@@ -448,6 +522,8 @@ def claims_table(tables):
         "machine",
         "reproduced",
         "ratio",
+        "ratio_low",
+        "ratio_high",
         "direction",
         "within_tolerance",
         "note",
@@ -460,13 +536,28 @@ CLAIMS_HEADER = f"""Each quantitative claim of the paper's implementation sectio
 compared (absolute times from different hardware never are). `direction`: the reproduction is
 on the same side of 1 as the paper's ratio (or, for parity, exact where the paper is exact and
 non-zero where it is not); `within_tolerance`: the ratio is within a factor of {TOLERANCE:g} of the
-paper's. Generated from results/raw/ by workflow/scripts/aggregate.py.
+paper's. Each is decided from the spread of the repetitions: `ratio_low`..`ratio_high` is the range
+the ratio takes over the two figures' min..max, and a verdict is `yes` or `no` only when that whole
+range lies on one side, `unresolved` otherwise (and for single runs, which have no spread).
+Generated from results/raw/ by workflow/scripts/aggregate.py.
 """
 
 
 def write_claims(df, path):
     """figures/claims.md: the claims table with how to read it (the README links to it)."""
-    cols = ["claim", "paper", "machine", "reproduced", "ratio", "paper_ratio", "direction", "within_tolerance", "note"]
+    cols = [
+        "claim",
+        "paper",
+        "machine",
+        "reproduced",
+        "ratio",
+        "ratio_low",
+        "ratio_high",
+        "paper_ratio",
+        "direction",
+        "within_tolerance",
+        "note",
+    ]
     lines = [CLAIMS_HEADER, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in df.reindex(columns=cols).itertuples(index=False):
         cells = [

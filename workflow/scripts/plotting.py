@@ -3,12 +3,14 @@
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 LINES = {"none": "-", "popularity": ":", "previous": "-.", "transition": "--", "probe": (0, (5, 1)), "oracle": "-"}
+# One colour per predictor and per placement strategy, the same in every figure.
 COLORS = {
     "none": "C0",
     "popularity": "C2",
@@ -18,7 +20,14 @@ COLORS = {
     "oracle": "k",
     "lru": "C7",
     "belady": "C8",
+    "algorithm2": "C0",
+    "round_robin": "C1",
+    "popularity_only": "C2",
+    "node0_only": "C3",
+    "adaptive": "C4",
 }
+NODE_MARKERS = {2: "o", 3: "s", 4: "^"}
+FITTED = ("popularity", "transition", "probe", "previous")
 
 
 def _read(figdir, name):
@@ -44,6 +53,14 @@ def _machine(df):
     return df["device"].astype(str) + " " + df["chip"].astype(str).str.slice(0, 28)
 
 
+def _err(g, column="value"):
+    """Error bars from a table's min and max columns (none for rows measured once)."""
+    lo, hi = f"{column}_min", f"{column}_max"
+    if lo not in g.columns or g[lo].isna().all():
+        return None
+    return [(g[column] - g[lo]).fillna(0).clip(lower=0), (g[hi] - g[column]).fillna(0).clip(lower=0)]
+
+
 def design(figdir):
     df = _read(figdir, "design")
     if df.empty:
@@ -56,7 +73,7 @@ def design(figdir):
     width = 0.8 / max(len(machines), 1)
     for i, m in enumerate(machines):
         g = k[k["machine"] == m].set_index("variant").reindex(variants)
-        axes[0].bar([j + i * width for j in range(len(variants))], g["value"], width, label=m)
+        axes[0].bar([j + i * width for j in range(len(variants))], g["value"], width, label=m, yerr=_err(g))
     axes[0].set_xticks([j + width * (len(machines) - 1) / 2 for j in range(len(variants))])
     axes[0].set_xticklabels([v.replace("_", " ") for v in variants], fontsize=8)
     axes[0].set_yscale("log")  # CPU and GPU differ by two orders of magnitude
@@ -65,7 +82,7 @@ def design(figdir):
     axes[0].legend(fontsize=7)
     w = df[df["measure"] == "slot_write"]
     for (m, inst), g in w.groupby(["machine", "variant"]):
-        axes[1].plot(g["slots"], g["value"], marker="o", label=f"{inst} ({m})")
+        axes[1].errorbar(g["slots"], g["value"], yerr=_err(g), marker="o", capsize=3, label=f"{inst} ({m})")
     axes[1].set_xlabel("slots in the buffer")
     axes[1].set_ylabel("ms to write one expert")
     axes[1].set_title("Slot write cost against buffer size")
@@ -86,19 +103,42 @@ def _online(figdir, name, column, ylabel, title):
     for ax, key in zip(axes.flat, panels):
         g = df[(df["machine"] == key[0]) & (df["model"] == key[1]) & (df["tier"] == key[2])]
         engine = g[g["predictor"] != "mlx-lm"]
-        for (pset, pred), h in engine.groupby(["prompt_set", "predictor"]):
-            if pred not in ("none", "oracle"):
-                h = h[h["depth"] == h["depth"].min()]
+        # Demand loading, the oracle and the best fitted predictor (by tok/s at the fewest slots):
+        # the comparison the gate is about, one line each per prompt set.
+        fitted = engine[engine["predictor"].isin(FITTED) & (engine["slots"] < engine["experts"])]
+        best = None
+        if not fitted.empty:
+            least = fitted[fitted["slots"] == fitted["slots"].min()]
+            best = least.groupby(["predictor", "depth"])["tok_s"].mean().idxmax()
+        for (pset, pred, depth), h in engine.groupby(["prompt_set", "predictor", "depth"]):
+            if pred in FITTED and (pred, depth) != best:
+                continue
+            if pred == "oracle" and depth != engine.loc[engine["predictor"] == "oracle", "depth"].min():
+                continue
+            h = pd.concat(
+                [
+                    h,
+                    engine[
+                        (engine["prompt_set"] == pset)
+                        & (engine["predictor"] == "none")
+                        & (engine["slots"] == engine["experts"])
+                    ],
+                ]
+            ).drop_duplicates("slots")
             h = h.sort_values("slots")
+            label = f"{pred} d={depth} ({pset})" if pred in FITTED or pred == "oracle" else f"{pred} ({pset})"
             ax.plot(
                 h["slots"],
                 h[column],
-                linestyle=LINES.get(pred, "-"),
+                linestyle="-" if pset == "general" else "--",
                 marker="o" if pset == "general" else "s",
                 color=COLORS.get(pred),
-                label=f"{pred} ({pset})",
-                linewidth=2 if pred in ("none", "oracle") else 1,
+                label=label,
+                linewidth=1.5,
             )
+            lo, hi = f"{column}_min", f"{column}_max"
+            if lo in h.columns and h[lo].notna().any():
+                ax.fill_between(h["slots"], h[lo], h[hi], color=COLORS.get(pred), alpha=0.15, linewidth=0)
         if column == "tok_s":
             positive = g.loc[g[column] > 0, column]
             if len(positive) and positive.max() > 10 * positive.min():
@@ -111,9 +151,12 @@ def _online(figdir, name, column, ylabel, title):
         ax.set_ylabel(ylabel)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=6)
-    fig.suptitle(title)
+    legend = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=min(4, len(legend)))
+    fig.suptitle(title + " (bands: min..max over repetitions, where repeated)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.97))
     _save(fig, figdir, name)
 
@@ -125,21 +168,24 @@ def miss_breakdown(figdir):
     df = df.groupby(["device", "model", "tier", "slots"], as_index=False)[
         ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]
     ].mean()
-    labels = [f"{r.model}\n{r.tier} S={r.slots}\n{r.device}" for r in df.itertuples()]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(df)), 4))
-    bottom = 0
+    labels = [f"{r.model}, {r.tier}, S={r.slots} ({r.device})" for r in df.itertuples()]
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(df) + 1.4))
+    y = range(len(df))
+    left = 0
     for col, name in (
         ("per_miss_pread_ms", "pread (summed over readers)"),
         ("per_miss_array_ms", "array creation"),
         ("per_miss_install_ms", "install"),
     ):
-        ax.bar(labels, df[col], bottom=bottom, label=name)
-        bottom = bottom + df[col]
-    ax.plot(labels, df["per_miss_stall_ms"], "k_", markersize=20, label="stall per miss (wall)")
-    ax.set_ylabel("ms per miss")
+        ax.barh(list(y), df[col], left=left, label=name)
+        left = left + df[col]
+    ax.plot(df["per_miss_stall_ms"], list(y), "k|", markersize=12, label="stall per miss (wall)")
+    ax.set_yticks(list(y))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per miss")
     ax.set_title("Per-miss cost, demand loading")
-    ax.tick_params(axis="x", labelsize=6)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     _save(fig, figdir, "miss_breakdown")
 
@@ -227,29 +273,42 @@ def placement(figdir):
     sim, meas = _read(figdir, "placement_sim"), _read(figdir, "multinode")
     if sim.empty and meas.empty:
         return _empty(figdir, "placement", "gate F results")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
     if not sim.empty:
         s = sim[sim["strategy"] != "adaptive"]
         s = s[s["capacity_share"] == s["capacity_share"].min()]
         for (strategy, n), g in s.groupby(["strategy", "nodes"]):
             g = g.sort_values("link")
             axes[0].plot(
-                g["link"], g["replayed"], marker="o", linestyle=LINES.get(strategy, "-"), label=f"{strategy}, {n} nodes"
+                g["link"],
+                g["replayed"],
+                marker=NODE_MARKERS.get(n, "x"),
+                linestyle=LINES.get(strategy, "-"),
+                color=COLORS.get(strategy),
+                label=f"{strategy}, {n} nodes",
             )
+        links = sorted(s["link"].unique())
         axes[0].set_xscale("log")
+        axes[0].set_xticks(links, [f"{x:g}" for x in links], minor=False)
+        axes[0].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axes[0].set_xlabel("link cost rho (units of c)")
         axes[0].set_ylabel("cost per token (replayed on eval traces)")
-        axes[0].set_title(f"Simulated placement cost (capacity {s['capacity_share'].min():g} of experts per node)")
-        axes[0].legend(fontsize=6)
+        axes[0].set_title(f"Simulated cost (capacity {s['capacity_share'].min():g} of experts per node)", fontsize=9)
+        axes[0].legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     if not meas.empty:
-        for n, g in meas.groupby("nodes"):
-            axes[1].scatter(g["expected"], g["ms_per_token"], label=f"{n} nodes")
-            for r in g.itertuples():
-                axes[1].annotate(r.strategy, (r.expected, r.ms_per_token), fontsize=6)
+        for (strategy, n), g in meas.groupby(["strategy", "nodes"]):
+            axes[1].scatter(
+                g["expected"],
+                g["ms_per_token"],
+                marker=NODE_MARKERS.get(n, "x"),
+                color=COLORS.get(strategy),
+                s=40,
+                label=f"{strategy}, {n} nodes",
+            )
         axes[1].set_xlabel("expected cost per token (simulated)")
         axes[1].set_ylabel("measured ms per token (local processes)")
-        axes[1].set_title("Measured against simulated, per placement")
-        axes[1].legend(fontsize=7)
+        axes[1].set_title("Measured against simulated, per placement", fontsize=9)
+        axes[1].legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
     _save(fig, figdir, "placement")
 
