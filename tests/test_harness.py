@@ -262,3 +262,17 @@ def test_readme_is_a_front_door_linking_every_guide_and_result():
         "placement",
     ):
         assert f"(../figures/{png}.png)" in results and (ROOT / "figures" / f"{png}.png").exists(), png
+
+
+def test_provenance_names_no_path_of_the_machine(monkeypatch):
+    """A record's command is what anyone would type again: no checkout path, no home folder."""
+    main = str(ROOT / "engine" / "__main__.py")
+    assert provenance.portable_command([main, "train", "olmoe-trained"]) == "python -m engine train olmoe-trained"
+    assert provenance.portable_command([sys.executable, "-m", "harness", "bench", "miss"]) == (
+        "python -m harness bench miss"
+    )
+    assert provenance.portable_command(["python", str(ROOT / "results" / "raw")]) == "python results/raw"
+    home = os.path.expanduser("~")
+    assert provenance.portable_command(["cat", os.path.join(home, "notes.txt")]) == "cat ~/notes.txt"
+    rec = provenance.stamp({"x": 1}, command=[main, "decode"], seed=0)
+    assert str(ROOT) not in json.dumps(rec) and rec["command"] == "python -m engine decode"

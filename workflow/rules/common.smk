@@ -33,8 +33,15 @@ def run_id(value):
     return f"{commit}-{provenance.host_alias()}"
 
 
+SPAWNED = "TITAN_RUN" in os.environ  # a job of a run planned by another process (or a user's choice)
 RUN = run_id(config.get("run", "auto"))
 os.environ["TITAN_RUN"] = RUN
+
+
+# Snakemake passes these on to the jobs an executor runs elsewhere.
+envvars:
+    "TITAN_RUN",
+
 
 TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss",
           "placement_sim", "multinode", "sync_ablation", "wire_ablation", "bench", "claims"]
@@ -158,8 +165,7 @@ def fitted_inputs(wc):
 
 # Say plainly when this run id has nothing left to measure (the planning process only: a job
 # spawned by an executor inherits TITAN_RUN and stays quiet).
-if os.environ.get("TITAN_RUN_PLANNER", RUN) == RUN and all(os.path.exists(f) for f in raw_outputs("results")):
+if not SPAWNED and all(os.path.exists(f) for f in raw_outputs("results")):
     print(f"[titan] run {RUN}: every measurement of this run id is already under results/raw/; `all` only "
           f"makes its tables and figures. To measure anew: snakemake --cores 2 all --config run=NEW_NAME",
           file=sys.stderr)
-os.environ.setdefault("TITAN_RUN_PLANNER", RUN)

@@ -3,6 +3,8 @@ rule design:
         protected(f"{{out}}/raw/B/design/{RUN}.jsonl"),
     log:
         f"{{out}}/logs/design-{RUN}.log",
+    benchmark:
+        f"{{out}}/benchmarks/design-{RUN}.tsv"
     resources:
         timing=1,
     conda:

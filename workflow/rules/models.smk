@@ -4,6 +4,9 @@ rule train:
         "resources/models/olmoe-trained-f32/titan-build.json",
     log:
         "results/logs/train.log",
+    benchmark:
+        "results/benchmarks/train.tsv"
+    threads: 2
     resources:
         timing=1,
     conda:
@@ -21,6 +24,8 @@ rule trace:
         "resources/traces/{model}/{pset}-{split}-t{tokens}.npz",
     log:
         "results/logs/trace/{model}-{pset}-{split}-t{tokens}.log",
+    benchmark:
+        "results/benchmarks/trace/{model}-{pset}-{split}-t{tokens}.tsv"
     resources:
         timing=1,
     conda:
@@ -40,6 +45,8 @@ rule fit:
         "resources/predictors/{model}/{pset}-{predictor}-d{depth}-m{size}-t{tokens}.npz",
     log:
         "results/logs/fit/{model}-{pset}-{predictor}-d{depth}-m{size}-t{tokens}.log",
+    benchmark:
+        "results/benchmarks/fit/{model}-{pset}-{predictor}-d{depth}-m{size}-t{tokens}.tsv"
     resources:
         timing=1,
     conda:

@@ -24,6 +24,9 @@ rule multinode:
         protected(f"{{out}}/raw/F/multinode/{RUN}-{{model}}.jsonl"),
     log:
         f"{{out}}/logs/multinode-{RUN}-{{model}}.log",
+    benchmark:
+        f"{{out}}/benchmarks/multinode-{RUN}-{{model}}.tsv"
+    threads: lambda wc: max(settings(wc.out)["placement"]["measured_nodes"], default=1)
     resources:
         timing=1,
     conda:
@@ -42,6 +45,9 @@ rule wire_ablation:
         protected(f"{{out}}/raw/F/wire_ablation/{RUN}-{{model}}.jsonl"),
     log:
         f"{{out}}/logs/wire_ablation-{RUN}-{{model}}.log",
+    benchmark:
+        f"{{out}}/benchmarks/wire_ablation-{RUN}-{{model}}.tsv"
+    threads: lambda wc: settings(wc.out)["ablations"]["wire"]["nodes"]
     resources:
         timing=1,
     conda:

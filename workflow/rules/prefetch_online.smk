@@ -5,6 +5,9 @@ rule prefetch_online:
         protected(f"{{out}}/raw/C/prefetch_online/{RUN}-{{model}}-{{tier}}-{{pset}}.jsonl"),
     log:
         f"{{out}}/logs/prefetch_online-{RUN}-{{model}}-{{tier}}-{{pset}}.log",
+    benchmark:
+        f"{{out}}/benchmarks/prefetch_online-{RUN}-{{model}}-{{tier}}-{{pset}}.tsv"
+    threads: lambda wc: settings(wc.out)["prefetch_online"]["readers"]
     resources:
         timing=1,
     conda:
@@ -24,6 +27,8 @@ rule predictor_quality:
         protected(f"{{out}}/raw/C/predictor_quality/{RUN}-{{model}}-{{pset}}.jsonl"),
     log:
         f"{{out}}/logs/predictor_quality-{RUN}-{{model}}-{{pset}}.log",
+    benchmark:
+        f"{{out}}/benchmarks/predictor_quality-{RUN}-{{model}}-{{pset}}.tsv"
     resources:
         timing=1,
     conda:
@@ -47,6 +52,8 @@ rule routing:
         protected(f"{{out}}/raw/C/routing/{RUN}-{{model}}.jsonl"),
     log:
         f"{{out}}/logs/routing-{RUN}-{{model}}.log",
+    benchmark:
+        f"{{out}}/benchmarks/routing-{RUN}-{{model}}.tsv"
     resources:
         timing=1,
     conda:
@@ -65,6 +72,9 @@ rule sync_ablation:
         protected(f"{{out}}/raw/C/sync_ablation/{RUN}-{{model}}-{{pset}}.jsonl"),
     log:
         f"{{out}}/logs/sync_ablation-{RUN}-{{model}}-{{pset}}.log",
+    benchmark:
+        f"{{out}}/benchmarks/sync_ablation-{RUN}-{{model}}-{{pset}}.tsv"
+    threads: lambda wc: settings(wc.out)["prefetch_online"]["readers"]
     resources:
         timing=1,
     conda:

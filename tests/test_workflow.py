@@ -1,0 +1,83 @@
+"""The workflow's plan: run ids are configuration, a run resumes, `figures` measures nothing,
+and bad configuration is refused by name. Dry runs only (the smoke run itself is in .ci/run)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from test_harness import job_stats
+
+
+def snakemake(*args, env=None):
+    env = dict(os.environ, **(env or {}))
+    env.pop("TITAN_RUN", None) if env.get("TITAN_RUN") is None else None
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def planned_outputs(stdout: str) -> list:
+    return [l.split("output:", 1)[1].strip() for l in stdout.splitlines() if l.strip().startswith("output:")]
+
+
+def test_the_run_id_names_every_raw_file_of_the_run():
+    r = snakemake("-n", "gate_b", "gate_c", "--config", "run=my-run.1")
+    assert r.returncode == 0, r.stderr
+    raw = [o for out in planned_outputs(r.stdout) for o in out.split(", ") if "/raw/" in o]
+    assert raw and all(os.path.basename(o).startswith("my-run.1") for o in raw), raw
+
+
+def test_a_spawned_job_takes_the_planners_run_id():
+    """An executor's job parses the workflow again; the run id it sees is the planner's."""
+    r = snakemake("-n", "gate_b", env={"TITAN_RUN": "planned-elsewhere"})
+    assert r.returncode == 0, r.stderr
+    assert "results/raw/B/design/planned-elsewhere.jsonl" in r.stdout
+
+
+def test_auto_is_commit_and_host():
+    r = snakemake("-n", "gate_b")
+    out = next(o for o in planned_outputs(r.stdout) if "/raw/B/design/" in o)
+    name = os.path.basename(out)[: -len(".jsonl")]
+    commit, _, rest = name.partition("-")
+    assert len(commit) == 12 and int(commit, 16) >= 0
+    assert rest.removeprefix("dirty-").startswith("host-")
+
+
+@pytest.mark.parametrize("bad", ["has/slash", "-leading-dash", "x" * 65])
+def test_a_bad_run_id_is_refused_by_name(bad):
+    r = snakemake("-n", "gate_b", "--config", f"run={bad}")
+    assert r.returncode != 0
+    text = r.stdout + r.stderr
+    assert "run" in text and "does not match" in text, text
+
+
+def test_figures_plans_only_tables_and_plots():
+    r = snakemake("-n", "figures", "--forcerun", "tables")
+    assert r.returncode == 0, r.stderr
+    assert set(job_stats(r.stdout)) <= {"tables", "plots", "figures"}
+    assert "/raw/" not in " ".join(planned_outputs(r.stdout))
+
+
+def test_a_complete_run_says_so_and_only_remakes_its_figures():
+    run = "test-complete-run"
+    first = snakemake("-n", "all", "--config", f"run={run}")
+    assert first.returncode == 0, first.stderr
+    raw = [o for out in planned_outputs(first.stdout) for o in out.split(", ") if "/raw/" in o and run in o]
+    assert len(raw) > 10
+    made = []
+    try:
+        for f in raw:  # stand-ins for a finished run's files
+            path = ROOT / f
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+            made.append(path)
+        again = snakemake("-n", "all", "--config", f"run={run}")
+        assert again.returncode == 0, again.stderr
+        assert f"run {run}: every measurement of this run id is already under results/raw/" in again.stderr
+        assert set(job_stats(again.stdout)) <= {"tables", "plots", "all"}
+        assert f"results/runs/{run}/figures" in again.stdout
+    finally:
+        for path in made:
+            path.unlink()
