@@ -94,3 +94,10 @@ def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, instal
         return records, logits
     finally:
         eng.close()
+
+
+def job_stats(stdout: str) -> dict:
+    """{rule: jobs} from the "Job stats" table of a Snakemake dry run."""
+    lines = stdout.split("Job stats:", 1)[1].splitlines()
+    rows = [l.split() for l in lines[3:]]
+    return {r[0]: int(r[1]) for r in rows[: next(i for i, r in enumerate(rows) if r and r[0] == "total")]}

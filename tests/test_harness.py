@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, job_stats
 
 from harness import provenance, rawlog
 
@@ -156,13 +156,6 @@ def test_paper_profile_refuses_without_weights():
     r = snakemake("-n", "all", "--configfile", "workflow/config/paper.yaml")
     assert r.returncode != 0
     assert "no pinned revision" in (r.stdout + r.stderr)
-
-
-def job_stats(stdout: str) -> dict:
-    """{rule: jobs} from the "Job stats" table of a Snakemake dry run."""
-    lines = stdout.split("Job stats:", 1)[1].splitlines()
-    rows = [l.split() for l in lines[3:]]
-    return {r[0]: int(r[1]) for r in rows[: next(i for i, r in enumerate(rows) if r and r[0] == "total")]}
 
 
 def test_dry_run_of_all_plans_every_gate():

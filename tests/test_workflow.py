@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
-from test_harness import job_stats
+from conftest import ROOT, job_stats
 
 
 def snakemake(*args, env=None):

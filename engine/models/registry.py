@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import mlx_lm
 import yaml
 from huggingface_hub import constants
 
@@ -161,8 +162,6 @@ def model_dir(model_id: str, build: bool = True) -> Path:
 
 def load(model_id: str, lazy: bool = False):
     """Load a model with mlx-lm; returns (model, tokenizer, spec, path)."""
-    import mlx_lm  # imports transformers: slow, and needed only to load a model
-
     path = model_dir(model_id)
     model, tokenizer = mlx_lm.load(str(path), lazy=lazy)
     return model, tokenizer, get_spec(model_id), path

@@ -1,0 +1,114 @@
+"""The library's shape: `engine` never imports the experiments (`harness`), its modules import
+each other without a cycle, and it reads no file from outside its own package."""
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+ENGINE = ROOT / "engine"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list:
+    """(module imported, line, inside a function?) for every import statement of a file."""
+    tree = ast.parse(path.read_text())
+    pkg = module_name(path) if path.name == "__init__.py" else module_name(path).rsplit(".", 1)[0]
+    out = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = pkg.split(".")
+                    base = base[: len(base) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module
+                out.append((mod, child.lineno, in_function))
+                out.extend((f"{mod}.{a.name}", child.lineno, in_function) for a in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    return out
+
+
+FILES = sorted(ENGINE.rglob("*.py"))
+MODULES = {module_name(f): f for f in FILES}
+
+
+def test_the_library_never_imports_the_experiments():
+    for f in FILES:
+        for mod, line, _ in imports(f):
+            assert not mod.split(".")[0] == "harness", f"{f.relative_to(ROOT)}:{line} imports {mod}"
+
+
+def test_no_import_cycle_inside_the_library():
+    graph = {m: set() for m in MODULES}
+    for m, f in MODULES.items():
+        for mod, _, _ in imports(f):
+            if mod in MODULES and mod != m and not mod.endswith("__main__"):
+                graph[m].add(mod)
+    # A package's __init__ re-exporting its children is not a cycle of the children's code.
+    for m in list(graph):
+        graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
+    seen, stack = {}, []
+
+    def dfs(m):
+        seen[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if seen.get(d) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d) :] + [d]))
+            if d not in seen:
+                dfs(d)
+        seen[m] = "done"
+        stack.pop()
+
+    for m in sorted(graph):
+        if m not in seen:
+            dfs(m)
+
+
+# Where a module imports inside a function, and why it must (optional or GPU-only, or the
+# command's own late dispatch): anything else belongs at the top of the module.
+ALLOWED_LATE = {
+    "engine/versions.py": "__version__ is defined by engine/__init__, which imports this module",
+}
+
+
+def test_imports_are_at_the_top_of_modules():
+    late = []
+    for f in FILES:
+        rel = str(f.relative_to(ROOT))
+        for mod, line, in_function in imports(f):
+            if in_function and rel not in ALLOWED_LATE:
+                late.append(f"{rel}:{line} {mod}")
+    assert not late, late
+
+
+def test_the_library_reads_no_file_outside_its_package():
+    for f in FILES:
+        text = f.read_text()
+        for needle in ("REPO_ROOT", 'configs/models.yaml")', "workflow/schemas", "results/raw"):
+            assert needle not in text, f"{f.relative_to(ROOT)} mentions {needle}"
+
+
+def test_the_decode_path_never_reaches_tracing_or_fitting():
+    """One direction: the runtime is handed a predictor; tracing and fitting (which run the model
+    through the runtime) are above it."""
+    for f in sorted((ENGINE / "runtime").glob("*.py")):
+        for mod, line, _ in imports(f):
+            assert not mod.startswith(("engine.predict.trace", "engine.predict.fitting", "engine.api")), (
+                f"{f.relative_to(ROOT)}:{line} imports {mod}"
+            )
