@@ -177,23 +177,23 @@ def test_dry_run_of_all_plans_every_gate():
         assert jobs.get(rule, 0) >= 1, (rule, jobs)
 
 
-def sync_run(root, per_miss, batched, stall_per_miss, stall_batched, pset="general"):
-    rows = [
-        dict(
-            model="m",
-            tier="page_cache",
-            prompt_set=pset,
-            slots=16,
-            experts=64,
-            install="copy",
-            sync=s,
-            tok_s=t,
-            stall_ms_per_token=st,
-            misses=100,
-            tokens=32,
-        )
-        for s, t, st in (("per_miss", per_miss, stall_per_miss), ("batched", batched, stall_batched))
-    ]
+def _spread(v, spread):
+    return (v, v * (1 - spread), v * (1 + spread)) if spread is not None else (v, None, None)
+
+
+def sync_run(root, per_miss, batched, stall_per_miss, stall_batched, pset="general", spread=0.02):
+    """A sync ablation record whose figures vary by +-`spread` over their repetitions (None: a
+    single run, as records from before repetitions are)."""
+    rows = []
+    for s, t, st in (("per_miss", per_miss, stall_per_miss), ("batched", batched, stall_batched)):
+        t, t_lo, t_hi = _spread(t, spread)
+        st, st_lo, st_hi = _spread(st, spread)
+        row = dict(model="m", tier="page_cache", prompt_set=pset, slots=16, experts=64, install="copy", sync=s,
+                   tok_s=t, stall_ms_per_token=st, misses=100, tokens=32)  # fmt: skip
+        if spread is not None:
+            row.update(tok_s_min=t_lo, tok_s_max=t_hi, stall_ms_per_token_min=st_lo, stall_ms_per_token_max=st_hi,
+                       repeats=3)  # fmt: skip
+        rows.append(row)
     return rawlog.write_run(
         "C",
         "sync_ablation",
@@ -212,27 +212,39 @@ def claims_of(raw, figdir):
     return aggregate.build(raw, figdir)["claims"].set_index("claim")
 
 
+TOK = "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"
+STALL = "stall halved by batching (general; m, copy; batched / per-miss)"
+
+
 def test_claims_compare_ratios_with_a_stated_tolerance(tmp_path):
     sync_run(tmp_path / "raw", 28.0, 51.0, 4.0, 2.0)  # the paper's own figures: agree
     c = claims_of(tmp_path / "raw", tmp_path / "a")
-    row = c.loc["batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"]
+    row = c.loc[TOK]
     assert row["ratio"] == pytest.approx(51 / 28) and row["direction"] == "yes" and row["within_tolerance"] == "yes"
-    assert c.loc["stall halved by batching (general; m, copy; batched / per-miss)"]["within_tolerance"] == "yes"
+    assert row["ratio_low"] == pytest.approx(51 * 0.98 / (28 * 1.02))
+    assert row["ratio_high"] == pytest.approx(51 * 1.02 / (28 * 0.98))
+    assert c.loc[STALL]["within_tolerance"] == "yes"
     text = (tmp_path / "a" / "claims.md").read_text()
     assert "within a factor of 1.5" in text and "28 -> 51 tok/s" in text
 
 
 def test_claims_say_no_when_the_reproduction_disagrees(tmp_path):
     sync_run(tmp_path / "raw", 50.0, 40.0, 1.0, 1.2)  # batching made it slower: opposite direction
-    row = claims_of(tmp_path / "raw", tmp_path / "a").loc[
-        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"
-    ]
+    row = claims_of(tmp_path / "raw", tmp_path / "a").loc[TOK]
     assert row["direction"] == "no" and row["within_tolerance"] == "no"
     sync_run(tmp_path / "raw2", 50.0, 55.0, 1.0, 0.9)  # right direction, far smaller gain
-    row = claims_of(tmp_path / "raw2", tmp_path / "b").loc[
-        "batched reads vs per-miss sync, tok/s at 16 slots (general; m, copy)"
-    ]
+    row = claims_of(tmp_path / "raw2", tmp_path / "b").loc[TOK]
     assert row["direction"] == "yes" and row["within_tolerance"] == "no"
+
+
+def test_a_claim_whose_spread_straddles_the_line_is_unresolved(tmp_path):
+    sync_run(tmp_path / "raw", 50.0, 52.0, 1.0, 0.8, spread=0.1)  # x1.04, but +-10% on each side
+    row = claims_of(tmp_path / "raw", tmp_path / "a").loc[TOK]
+    assert row["ratio"] > 1 and row["ratio_low"] < 1 < row["ratio_high"]
+    assert row["direction"] == "unresolved"
+    sync_run(tmp_path / "raw2", 28.0, 51.0, 4.0, 2.0, spread=None)  # measured once: no spread
+    row = claims_of(tmp_path / "raw2", tmp_path / "b").loc[TOK]
+    assert row["direction"] == "unresolved (no spread)" and row["within_tolerance"] == "unresolved (no spread)"
 
 
 def test_readme_is_a_front_door_linking_every_guide_and_result():

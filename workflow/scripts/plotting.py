@@ -227,29 +227,44 @@ def predictor_recall(figdir):
     _save(fig, figdir, "predictor_recall")
 
 
+MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
 def routing(figdir):
     df = _read(figdir, "routing")
     if df.empty:
         return _empty(figdir, "routing", "routing statistics")
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.6))
+    models = sorted(df["model"].unique())
+    marker = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(models)}
     lay = df[df["kind"] == "layer"]
-    for model, g in lay.groupby("model"):
-        axes[0].plot(g["layer"], g["top10_share"], marker="o", label=model)
-        axes[1].plot(g["layer"], g["js_code_general_bits"], marker="o", label=model)
-    axes[0].set_title("Share of routes taken by the top 10% of experts")
+    for i, (model, g) in enumerate(lay.groupby("model")):
+        axes[0].plot(g["layer"], g["top10_share"], marker=marker[model], color=f"C{i}", label=model)
+        axes[1].plot(g["layer"], g["js_code_general_bits"], marker=marker[model], color=f"C{i}", label=model)
+    axes[0].set_title("Share of routes taken by the top 10% of experts", fontsize=9)
     axes[0].set_xlabel("layer")
-    axes[1].set_title("Code vs general routing (Jensen-Shannon, bits)")
+    axes[1].set_title("Code vs general routing (Jensen-Shannon, bits)", fontsize=9)
     axes[1].set_xlabel("layer")
+    axes[0].legend(fontsize=7)
     pr = df[df["kind"] == "predictability"]
     for (model, pred), g in pr.groupby(["model", "predictor"]):
         g = g.groupby("depth", as_index=False)["recall"].mean()
-        axes[2].plot(g["depth"], g["recall"], marker="o", label=f"{model} {pred}")
+        axes[2].plot(
+            g["depth"],
+            g["recall"],
+            marker=marker[model],
+            color=COLORS.get(pred),
+            linestyle=LINES.get(pred, "-"),
+            label=f"{pred}, {model}",
+        )
     if not pr.empty:
         axes[2].axhline(pr["chance"].iloc[0], color="k", linestyle=":", linewidth=0.8, label="chance")
-    axes[2].set_title("Cross-layer predictability (recall)")
+        depths = sorted(pr["depth"].dropna().unique())
+        axes[2].set_xticks(depths, [f"{d:g}" for d in depths])
+    axes[2].set_title("Cross-layer predictability (recall; colour: predictor, marker: model)", fontsize=9)
     axes[2].set_xlabel("depth d")
-    for ax in axes:
-        ax.legend(fontsize=7)
+    axes[2].set_ylim(0, 1)
+    axes[2].legend(fontsize=6, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
     _save(fig, figdir, "routing")
 
