@@ -5,6 +5,7 @@ from .models import registry
 from .predict import fitting
 from .runtime import prefetch, store
 from .runtime.engine import Engine
+from .runtime.store import top_k_of
 
 
 def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **options) -> Engine:
@@ -17,7 +18,7 @@ def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **o
         raise TypeError("give either config or EngineConfig fields as keywords, not both")
     model, tokenizer, spec, path = registry.load(model_id, lazy=True)
     if prefetcher is None and config.predictor != "none":
-        top_k = next(model.layers[li].mlp.top_k for li, _ in store.moe_layers(model))
+        top_k = top_k_of(model, store.moe_blocks(model)[0]) or 8
         pred = fitting.get_predictor(
             model_id,
             config.predictor,

@@ -121,8 +121,9 @@ def cmd_list(a):
             state = f"{spec['repo']} @ {spec['revision'] or 'not pinned'}"
         else:
             built = (resources_dir() / "models" / mid / embedded.MANIFEST).exists()
+            shape = registry.shape_of(spec)
             state = (
-                f"{spec['architecture']} {spec['dtype']} E={spec['experts']} K={spec['top_k']} L={spec['layers']} "
+                f"{spec['architecture']} {spec['dtype']} E={shape['experts']} K={shape['top_k']} L={shape['layers']} "
                 + ("built" if built else "not built")
             )
         print(f"{mid:24s} {spec['kind']:9s} {state}")
@@ -227,6 +228,35 @@ def cmd_train(a):
     print(f"{a.model}: {len(out['curve'])} steps, final loss {last['loss']:.4f}; " + ", ".join(out["outputs"].values()))
 
 
+def architectures_table() -> str:
+    """The coverage table: every MoE architecture of mlx-lm with its tiny embedded model, what its
+    experts are made of (read from the built model), and whether the engine offloads it exactly
+    (tests/test_architectures.py checks every `yes`)."""
+    rows = ["| architecture | model | experts | top-k | per-expert tensors | exact |", "|---|---|---|---|---|---|"]
+    for mid, spec in sorted(registry.load_registry().items(), key=lambda kv: kv[1].get("architecture", "").lower()):
+        if spec.get("source") != str(registry.ARCHITECTURES):
+            continue
+        shape = registry.shape_of(spec)
+        tensors = "?"
+        try:
+            model, _, _, _ = registry.load(mid, lazy=True)
+            blocks = store_mod.moe_blocks(model)
+            tensors = ", ".join(n for n, _ in store_mod.expert_params(blocks[0].switch))
+            shape["experts"] = store_mod.expert_params(blocks[0].switch)[0][1].shape[0]
+            shape["top_k"] = store_mod.top_k_of(model, blocks[0]) or shape["top_k"]
+        except Exception as e:  # noqa: BLE001 - the table says what stopped it
+            tensors = f"(cannot load: {type(e).__name__})"
+        exact = "yes" if spec.get("exact", True) else f"no: {spec.get('reason', '')}"
+        rows.append(
+            f"| `{spec['architecture']}` | `{mid}` | {shape['experts']} | {shape['top_k']} | {tensors} | {exact} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def cmd_architectures(a):
+    print(architectures_table(), end="")
+
+
 def cmd_version(a):
     print(
         json.dumps(
@@ -295,6 +325,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model with a training block (e.g. olmoe-trained)")
     p.add_argument("model", nargs="?", default="olmoe-trained")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("architectures", help="the MoE architectures of mlx-lm and whether each is offloaded exactly")
+    p.set_defaults(fn=cmd_architectures)
 
     p = sub.add_parser("version", help="this node's mlx, mlx-lm and engine versions and device, as JSON")
     p.set_defaults(fn=cmd_version)

@@ -22,8 +22,9 @@ from engine import load, max_abs_diff
 from engine.config import EngineConfig
 from engine.models.registry import load_reference
 from engine.runtime.loop import decode
+from engine.runtime.moe import engine_layers
 from engine.runtime.slots import SlotTable
-from engine.runtime.store import TensorSpec, moe_layers
+from engine.runtime.store import TensorSpec
 
 GROUP, BITS = 64, 4
 PARITY_PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
@@ -166,7 +167,7 @@ def parity(model_id: str, prompt: str, steps: int = 16):
     for variant in ("compiled_swiglu", "unfused"):
         eng = load(model_id, EngineConfig())
         if variant == "unfused":
-            for _, sw in moe_layers(eng.model):
+            for sw in engine_layers(eng.model):
                 sw.glu.activation = UnfusedSwiGLU()
         _, _, logits = decode(eng.model, ids, steps, forced=tokens, keep_logits=True)
         eng.close()

@@ -20,7 +20,8 @@ from ..api import load
 from ..config import EngineConfig
 from ..models import registry
 from ..runtime.loop import decode
-from ..runtime.store import moe_layers
+from ..runtime.moe import SlotSwitchGLU
+from ..runtime.store import moe_blocks
 from . import multinode
 from . import placement as pl
 
@@ -139,9 +140,10 @@ def main(argv=None):
     links = {n: multinode.Link(group, n, dog, wire) for n in range(1, world)}
     stats = {"rtt_s": []}
     layers = []
-    for o, (li, sw) in enumerate(moe_layers(eng.model)):
+    for o, b in enumerate(moe_blocks(eng.model, kinds=SlotSwitchGLU)):
+        sw = b.switch
         layers.append(multinode.DistributedSwitchGLU(sw.glu, sw._table, sw._cache, o, where[o], links, stats))
-        eng.model.layers[li].mlp.switch_mlp = layers[-1]
+        setattr(b.parent, b.attr, layers[-1])
     scheduler = None
     if a.adaptive_every:
         nodes = [

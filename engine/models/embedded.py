@@ -41,7 +41,14 @@ _ST_DTYPES = {"uint32": "U32", "float16": "F16", "bfloat16": "BF16", "float32": 
 
 
 def hf_config(spec) -> dict:
-    """The config.json that mlx-lm reads, for an embedded spec."""
+    """The config.json that mlx-lm reads, for an embedded spec: its `config` (the architecture's
+    own ModelArgs fields) when it has one, else OLMoE's or Qwen3-MoE's from the spec's fields."""
+    if "config" in spec:
+        cfg = dict(spec["config"], model_type=spec["architecture"], vocab_size=spec["vocab"],
+                   torch_dtype=spec["dtype"], eos_token_id=0)  # fmt: skip
+        if isinstance(cfg.get("text_config"), dict):  # e.g. llama4: the language model's own args
+            cfg["text_config"] = dict(cfg["text_config"], vocab_size=spec["vocab"])
+        return cfg
     common = dict(
         hidden_size=spec["hidden"],
         num_hidden_layers=spec["layers"],

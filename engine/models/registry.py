@@ -19,9 +19,11 @@ import yaml
 from huggingface_hub import constants
 
 from ..config import DATA, checkout, resources_dir
+from ..runtime.store import TOP_K_NAMES
 from . import embedded
 
 PACKAGED = DATA / "models.yaml"
+ARCHITECTURES = DATA / "architectures.yaml"  # one tiny model per MoE architecture of mlx-lm
 SCHEMA = DATA / "models.schema.yaml"
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 
@@ -58,7 +60,7 @@ def validate(data, source) -> dict:
         err = errors[0]
         raise RegistryError(f"{source}: field {_field(err.absolute_path)}: {err.message}")
     for mid, spec in data["models"].items():
-        if spec["kind"] != "embedded":
+        if spec["kind"] != "embedded" or "config" in spec:
             continue
         if spec["top_k"] > spec["experts"]:
             raise RegistryError(
@@ -93,7 +95,9 @@ def read_models_file(path) -> dict:
 def load_registry(path=None) -> dict:
     """{model id: spec}: the packaged registry extended by the user's models file (or by `path`);
     each spec's `source` names the file it came from."""
-    models = {mid: dict(spec, source=str(PACKAGED)) for mid, spec in read_models_file(PACKAGED).items()}
+    models = {}
+    for packaged in (PACKAGED, ARCHITECTURES):
+        models.update({mid: dict(spec, source=str(packaged)) for mid, spec in read_models_file(packaged).items()})
     extra = Path(path) if path else user_path()
     if extra is not None and extra.resolve() != PACKAGED.resolve():
         models.update({mid: dict(spec, source=str(extra)) for mid, spec in read_models_file(extra).items()})
@@ -219,3 +223,20 @@ def load_reference(model_id: str):
     """The unmodified mlx-lm model, every expert in memory: the bit-exactness reference."""
     model, tokenizer, spec, _ = load(model_id)
     return model, tokenizer, spec
+
+
+EXPERT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+LAYER_NAMES = ("num_hidden_layers", "num_layers", "n_layers")
+
+
+def shape_of(spec) -> dict:
+    """Experts, experts per token and layers of an embedded spec, however its architecture
+    names them (None where it does not say)."""
+    if "config" not in spec:
+        return dict(experts=spec["experts"], top_k=spec["top_k"], layers=spec["layers"])
+    cfg = dict(spec["config"], **(spec["config"].get("text_config") or {}))
+
+    def first(names):
+        return next((cfg[n] for n in names if isinstance(cfg.get(n), int) and not isinstance(cfg.get(n), bool)), None)
+
+    return dict(experts=first(EXPERT_NAMES), top_k=first(TOP_K_NAMES), layers=first(LAYER_NAMES))

@@ -21,7 +21,7 @@ from .. import versions
 from ..config import resources_dir
 from ..models import registry
 from ..runtime.loop import decode
-from ..runtime.store import moe_layers
+from ..runtime.store import expert_params, moe_blocks
 from . import prompts as prompt_sets
 
 
@@ -30,16 +30,24 @@ class TraceError(ValueError):
 
 
 class RecordingSwitchGLU(nn.Module):
-    """Stands in for a SwitchGLU: records the MoE input, the router's probabilities (computed
-    as the block computes them) and the selected experts, then runs the original."""
+    """Stands in for a switch module: records the MoE input, the router's probabilities (the
+    softmax of a `gate` projection, as OLMoE and Qwen3-MoE compute them; zeros for routers of
+    another form) and the selected experts, then runs the original."""
 
     def __init__(self, glu, gate, sink: list):
         super().__init__()
         self.glu, self.gate = glu, gate
+        self._experts = expert_params(glu)[0][1].shape[0]
         self._sink = sink
 
+    def _probs(self, x):
+        logits = self.gate(x) if isinstance(self.gate, nn.Linear | nn.QuantizedLinear) else None
+        if logits is None or logits.shape[-1] != self._experts:
+            return mx.zeros((*x.shape[:-1], self._experts), mx.float32)
+        return mx.softmax(logits, axis=-1, precise=True)
+
     def __call__(self, x, indices):
-        probs = mx.softmax(self.gate(x), axis=-1, precise=True)
+        probs = self._probs(x)
         d, k = x.shape[-1], indices.shape[-1]
         self._sink.append((x.reshape(-1, d), probs.reshape(-1, probs.shape[-1]), indices.reshape(-1, k)))
         return self.glu(x, indices)
@@ -75,18 +83,16 @@ class Trace:
 
 def record(model, ids, tokens: int):
     """Run `model` greedily over `ids` and `tokens` more; returns per-row arrays of one prompt."""
-    sinks, saved = [], []
-    for li, glu in moe_layers(model):
+    sinks, blocks = [], moe_blocks(model)
+    for b in blocks:
         sink = []
         sinks.append(sink)
-        block = model.layers[li].mlp
-        saved.append((block, glu))
-        block.switch_mlp = RecordingSwitchGLU(glu, block.gate, sink)
+        setattr(b.parent, b.attr, RecordingSwitchGLU(b.switch, getattr(b.parent, "gate", None), sink))
     try:
         out, _, _ = decode(model, ids, tokens)
     finally:
-        for block, glu in saved:
-            block.switch_mlp = glu
+        for b in blocks:
+            setattr(b.parent, b.attr, b.switch)
     per_layer = []
     for sink in sinks:
         xs, ps, ks = zip(*sink)

@@ -58,13 +58,13 @@ class Engine:
     def __init__(self, model, tokenizer, spec, model_path, config: EngineConfig | None = None, prefetcher=None):
         config = config or EngineConfig()
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
-        blocks = store_mod.moe_layers(model)
+        blocks = store_mod.moe_blocks(model)
         if not blocks:
-            raise ValueError(f"model '{spec['id']}' has no MoE layer (no SwitchGLU): nothing to offload")
-        num_experts = blocks[0][1].gate_proj["weight"].shape[0]
-        top_k = model.layers[blocks[0][0]].mlp.top_k
+            raise ValueError(f"model '{spec['id']}' has no MoE layer (no SwitchGLU or SwitchMLP): nothing to offload")
+        num_experts = store_mod.expert_params(blocks[0].switch)[0][1].shape[0]
+        top_k = store_mod.top_k_of(model, blocks[0])
         slots = num_experts if config.slots is None else config.slots
-        if slots < top_k:
+        if top_k is not None and slots < top_k:
             raise ValueError(
                 f"slots ({slots}) < top_k ({top_k}): every expert a token routes to must be resident at once"
             )
@@ -88,8 +88,8 @@ class Engine:
             config.overlap,
         )
         self.tables = self.cache.tables
-        for o, (li, glu) in enumerate(blocks):
-            model.layers[li].mlp.switch_mlp = SlotSwitchGLU(glu, self.tables[o], self.cache, o)
+        for o, b in enumerate(blocks):
+            setattr(b.parent, b.attr, SlotSwitchGLU(b.switch, self.tables[o], self.cache, o))
             if self.tables[o].full:
                 self.cache.fill(o)
         # Everything but the experts (which were never materialised) loads now.

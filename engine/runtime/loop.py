@@ -7,16 +7,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .moe import SlotSwitchGLU, StepStats
+from .moe import StepStats, engine_layers
 
 
 def expert_cache(model):
     """The ExpertCache of an engine model; None for plain mlx-lm."""
-    for layer in model.layers:
-        sw = getattr(getattr(layer, "mlp", None), "switch_mlp", None)
-        if isinstance(sw, SlotSwitchGLU):
-            return sw._cache
-    return None
+    layers = engine_layers(model)
+    return layers[0]._cache if layers else None
 
 
 def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, eos_id=None):

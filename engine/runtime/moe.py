@@ -16,7 +16,7 @@ import numpy as np
 from .. import device
 from . import staging
 from .slots import SlotTable, mx_dtype
-from .store import NP_DTYPES, PARTS, PROJ
+from .store import NP_DTYPES, set_param
 
 
 @dataclass
@@ -352,12 +352,12 @@ def row_chunks(indices: np.ndarray, slots: int):
 
 
 class SlotSwitchGLU(nn.Module):
-    """mlx-lm's SwitchGLU computing over a slot table (lines 9-16 of Algorithm 1)."""
+    """mlx-lm's SwitchGLU (or SwitchMLP) computing over a slot table (lines 9-16 of Algorithm 1)."""
 
     def __init__(self, glu, table, cache: ExpertCache, layer: int):
         super().__init__()
-        for (proj, part), buf in zip(((p, q) for p in PROJ for q in PARTS), table.buffers):
-            getattr(glu, proj)[part] = buf
+        for t, buf in zip(table.tensors, table.buffers):
+            set_param(glu, t.name, buf)
         self.glu = glu
         self._table = table
         self._cache = cache
@@ -394,3 +394,8 @@ class SlotSwitchGLU(nn.Module):
             outs.append(y)
         self._cache.stats.chunks += len(groups) - 1
         return mx.concatenate(outs, axis=0).reshape(*idx.shape, d)
+
+
+def engine_layers(model) -> list:
+    """The SlotSwitchGLU of every MoE block of an engine model, in layer order."""
+    return [m for _, m in sorted(model.named_modules(), key=lambda p: p[0]) if isinstance(m, SlotSwitchGLU)]

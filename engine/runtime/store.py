@@ -1,10 +1,11 @@
 """The expert store: every MoE layer's experts laid out on disk, read back with `os.preadv`.
 
-Layout: one file per MoE layer, one record per expert, the nine tensors of an expert
-(gate/up/down x weight/scales/biases) back to back so that one `preadv` scatters a record
-straight into nine destination buffers. Records start on page boundaries (the cold tier drops
-exactly a record's pages). `index.json` holds the tensor layout, offsets and one CRC-32 per
-expert, and a digest of the model it was built from.
+Layout: one file per MoE layer, one record per expert, every per-expert tensor of the layer's
+switch module (for a 4-bit SwitchGLU nine: gate/up/down x weight/scales/biases; a SwitchMLP's
+fc1/fc2, expert biases, other quantization modes' scales: whatever the model holds) back to back,
+so that one `preadv` scatters a record straight into its destination buffers. Records start on
+page boundaries (the cold tier drops exactly a record's pages). `index.json` holds the tensor
+layout, offsets and one CRC-32 per expert, and a digest of the model it was built from.
 
 Reader threads only issue system calls into NumPy or slot memory: MLX streams are
 thread-local, so MLX arrays are made by the consuming thread, never here.
@@ -21,18 +22,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 FORMAT = "titan-expert-store"
 VERSION = 1
 PAGE = 4096
-PROJ = ("gate_proj", "up_proj", "down_proj")
-PARTS = ("weight", "scales", "biases")
+# The expert containers of mlx-lm's MoE blocks: every per-expert tensor lives in one of these.
+SWITCHES = (SwitchGLU, SwitchMLP)
 TIERS = ("page_cache", "cold")
 VERIFY = ("first", "always", "never")
 
 # NumPy cannot name bfloat16; the store only moves bytes, so a 16-bit view stands in.
-NP_DTYPES = {"uint32": np.uint32, "float16": np.float16, "bfloat16": np.uint16, "float32": np.float32}
+NP_DTYPES = {
+    "uint32": np.uint32,
+    "int32": np.int32,
+    "uint16": np.uint16,
+    "int16": np.int16,
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "float32": np.float32,
+}
 
 
 def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
@@ -68,9 +82,105 @@ def model_digest(model_path) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class MoEBlock:
+    """One switch module of a model: where it sits, and the parent attribute that holds it."""
+
+    layer: int  # the transformer layer's index
+    path: str  # e.g. "model.layers.3.mlp.switch_mlp"
+    parent: object
+    attr: str
+    switch: object
+
+
+def _child(module, key):
+    return module[int(key)] if isinstance(module, list) else getattr(module, key)
+
+
+def moe_blocks(model, kinds=SWITCHES) -> list:
+    """Every SwitchGLU/SwitchMLP (or module of `kinds`) of an mlx-lm model, in layer order: what
+    the engine offloads. Found by type, wherever the architecture keeps it (`mlp.switch_mlp`,
+    `mlp.experts`, `block_sparse_moe.switch_mlp`, `feed_forward.experts`, ...)."""
+    out = []
+    for path, mod in sorted(model.named_modules(), key=lambda p: p[0]):
+        if not isinstance(mod, kinds) or any(path.startswith(b.path + ".") for b in out):
+            continue
+        parts = path.split(".")
+        numbers = [int(p) for p in parts if p.isdigit()]
+        if not numbers:
+            raise StoreError(f"a switch module outside the model's layers ({path}): not offloadable")
+        layer = numbers[0]  # its index in the model's list of layers (`layers`, `h`, ...)
+        parent = model
+        for key in parts[:-1]:
+            parent = _child(parent, key)
+        out.append(MoEBlock(layer, path, parent, parts[-1], mod))
+    return sorted(out, key=lambda b: (b.layer, b.path))
+
+
 def moe_layers(model) -> list:
-    """(transformer layer index, SwitchGLU) of every MoE block of an mlx-lm model."""
-    return [(i, layer.mlp.switch_mlp) for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "switch_mlp")]
+    """(transformer layer index, switch module) of every MoE block."""
+    return [(b.layer, b.switch) for b in moe_blocks(model)]
+
+
+# What architectures call the number of experts a token routes to.
+TOP_K_NAMES = (
+    "top_k",
+    "num_experts_per_tok",
+    "n_activated_experts",
+    "moe_topk",
+    "num_activated_experts",
+    "experts_per_token",
+    "topk",
+    "num_experts_per_token",
+    "moe_top_k",
+    "moe_k",
+    "top_k_experts",
+)
+
+
+def top_k_of(model, block) -> int | None:
+    """Experts per token, as the MoE block, the modules above it or the model's arguments name
+    it (None: not said anywhere)."""
+    owners, module = [block.parent], model
+    for key in block.path.split(".")[:-1]:
+        owners.append(module)
+        module = module[int(key)] if isinstance(module, list) else getattr(module, key, None)
+    for owner in reversed(owners + [block.parent]):
+        for candidate in (owner, getattr(owner, "args", None), getattr(owner, "config", None)):
+            for source in (candidate, getattr(candidate, "text_config", None)):
+                if source is None:
+                    continue
+                for name in TOP_K_NAMES:
+                    plain = isinstance(source, dict) and not isinstance(source, nn.Module)  # modules are dicts too
+                    v = source.get(name) if plain else getattr(source, name, None)
+                    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                        return v
+    return None
+
+
+def expert_params(switch) -> list:
+    """(name, array) of every per-expert tensor of a switch module, in the module's own order;
+    each has the experts as its first dimension."""
+    params = tree_flatten(switch.parameters())
+    experts = params[0][1].shape[0]
+    for name, a in params:
+        if a.ndim < 1 or a.shape[0] != experts:
+            raise StoreError(f"switch tensor {name} {tuple(a.shape)} is not per expert (first dimension {experts})")
+    return params
+
+
+def get_param(module, name: str):
+    owner, _, leaf = name.rpartition(".")
+    for key in owner.split(".") if owner else ():
+        module = _child(module, key)
+    return module[leaf]
+
+
+def set_param(module, name: str, value):
+    owner, _, leaf = name.rpartition(".")
+    for key in owner.split(".") if owner else ():
+        module = _child(module, key)
+    module[leaf] = value
 
 
 def _dtype_name(dt) -> str:
@@ -94,24 +204,22 @@ def build(model, model_path, out, model_id: str) -> Path:
     tensors = None
     for ordinal, (li, glu) in enumerate(moe_layers(model)):
         specs, off = [], 0
-        for p in PROJ:
-            for part in PARTS:
-                a = getattr(glu, p)[part]
-                shape = tuple(a.shape[1:])
-                nbytes = int(np.prod(shape)) * a.dtype.size
-                specs.append(TensorSpec(f"{p}.{part}", shape, _dtype_name(a.dtype), off, nbytes))
-                off += nbytes
+        for name, a in expert_params(glu):
+            shape = tuple(a.shape[1:])
+            nbytes = int(np.prod(shape)) * a.dtype.size
+            specs.append(TensorSpec(name, shape, _dtype_name(a.dtype), off, nbytes))
+            off += nbytes
         if tensors is None:
             tensors = specs
         elif specs != tensors:
             raise StoreError(f"MoE layer {li}: expert tensors differ from the first MoE layer's")
         record = -(-off // PAGE) * PAGE
-        num_experts = getattr(glu, PROJ[0])["weight"].shape[0]
+        num_experts = get_param(glu, specs[0].name).shape[0]
         fname = f"layer_{ordinal:03d}.bin"
         crcs = []
         with open(tmp / fname, "wb") as f:
             for e in range(num_experts):
-                chunks = [_expert_bytes(getattr(glu, t.name.split(".")[0])[t.name.split(".")[1]][e]) for t in specs]
+                chunks = [_expert_bytes(get_param(glu, t.name)[e]) for t in specs]
                 crc = 0
                 for c in chunks:
                     crc = zlib.crc32(c, crc)
@@ -227,7 +335,7 @@ class Store:
         return aligned_empty(self.expert_bytes)
 
     def views(self, record: np.ndarray) -> list:
-        """NumPy views of the nine tensors inside one record buffer."""
+        """NumPy views of the per-expert tensors inside one record buffer."""
         return [record[t.offset : t.offset + t.nbytes].view(NP_DTYPES[t.dtype]).reshape(t.shape) for t in self.tensors]
 
     # -- reading --------------------------------------------------------------------------
@@ -275,7 +383,7 @@ class Store:
         return block, [f.result() for f in futures]
 
     def read_batch(self, layer: int, experts):
-        """`read_block` as NumPy views: ({expert: [nine views]}, [pread seconds])."""
+        """`read_block` as NumPy views: ({expert: [tensor views]}, [pread seconds])."""
         experts = list(experts)
         block, seconds = self.read_block(layer, experts)
         return {e: self.views(row) for e, row in zip(experts, block)}, seconds
