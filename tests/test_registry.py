@@ -162,3 +162,14 @@ def test_build_from_another_spec_is_refused(tmp_path):
     out = embedded.build(spec, tmp_path / "m")
     with pytest.raises(embedded.BuildError, match="built from another spec.*--force"):
         embedded.check_or_build(dict(spec, layers=4), out)
+
+
+@pytest.mark.parametrize("model_id", sorted(m for m, s in registry.load_registry().items() if s["kind"] == "real"))
+def test_every_real_model_pins_and_resolves_from_the_cache(models_file, hf_cache, model_id):
+    """Each real checkpoint goes through `engine pin` as the first two did: the cached commit is
+    written into the models file, and the model then resolves to that snapshot."""
+    repo = registry.get_spec(model_id)["repo"]
+    snap = fake_snapshot(hf_cache, repo, HASH)
+    assert registry.pin(model_id) == HASH
+    assert registry.get_spec(model_id)["revision"] == HASH
+    assert registry.model_dir(model_id) == snap
