@@ -37,7 +37,7 @@ class BuildError(ValueError):
     """An embedded model folder that cannot be used or built as asked."""
 
 
-_ST_DTYPES = {"uint32": "U32", "float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+_ST_DTYPES = {"uint8": "U8", "uint32": "U32", "float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
 def hf_config(spec) -> dict:
@@ -94,18 +94,21 @@ def spec_digest(spec) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _shapes(config):
+def _shapes(config, mode="affine"):
     """Parameter names, shapes, dtypes and quantization of mlx-lm's model, built lazily."""
 
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
-        model, qconfig = quantize_model(model, config, group_size=64, bits=4)
+        if mode == "affine":
+            model, qconfig = quantize_model(model, config, group_size=64, bits=4)
+        else:  # the mode's own group size and bits (mxfp4: 32, 4)
+            model, qconfig = quantize_model(model, config, group_size=None, bits=None, mode=mode)
     quant = {}
     for name, mod in model.named_modules():
         if "scales" in mod and "weight" in mod:
             in_dims = mod.scales.shape[-1] * mod.group_size
-            quant[name] = (mod.bits, mod.group_size, in_dims, type(mod).__name__)
+            quant[name] = (mod.bits, mod.group_size, in_dims, type(mod).__name__, getattr(mod, "mode", "affine"))
     params = [(k, tuple(v.shape), v.dtype) for k, v in tree_flatten(model.parameters())]
     del model
     mx.clear_cache()
@@ -120,8 +123,15 @@ def _generate(name, shape, quant, seed, dtype):
     """One parameter as a NumPy array (float32 for float tensors, cast later)."""
     rng = _rng(seed, name)
     owner, _, leaf = name.rpartition(".")
-    if owner in quant:
-        bits, _, in_dims, cls = quant[owner]
+    quantized = owner in quant
+    if quantized and quant[owner][4] != "affine":  # microscaling: packed fp4 codes, E8M0 scales
+        if leaf == "weight":
+            return rng.integers(0, 1 << 32, size=shape, dtype=np.uint32)
+        if leaf == "scales":
+            return rng.integers(119, 124, size=shape, dtype=np.uint8)  # 2**-8 .. 2**-4
+        quantized = False  # the layer's own bias: an ordinary float tensor
+    if quantized:
+        bits, _, in_dims, cls, _ = quant[owner]
         # Embedding rows are normalised downstream; projections keep unit-scale activations.
         target = 1.0 if cls == "QuantizedEmbedding" else in_dims**-0.5
         levels = (1 << bits) - 1
@@ -144,7 +154,7 @@ def _generate(name, shape, quant, seed, dtype):
 def _tensor_bytes(arr, dtype):
     """Raw little-endian bytes of a parameter in the model's dtype."""
 
-    if arr.dtype == np.uint32:
+    if arr.dtype in (np.uint32, np.uint8):
         return arr.tobytes()
     a = mx.array(arr).astype(getattr(mx, dtype))
     mx.eval(a)
@@ -239,7 +249,7 @@ def build(spec, out: Path):
     tmp.mkdir(parents=True)
     try:
         config = hf_config(spec)
-        params, quant, qconfig = _shapes(config)
+        params, quant, qconfig = _shapes(config, spec.get("quantization_mode", "affine"))
         config["quantization"] = qconfig["quantization"]
         config["quantization_config"] = qconfig["quantization"]
         shards = _groups(params)
@@ -249,7 +259,8 @@ def build(spec, out: Path):
             name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             tensors = {}
             for pname, shape, dt in shard:
-                dtype = "uint32" if "uint32" in str(dt) else spec["dtype"]
+                stored = str(dt).rsplit(".", 1)[-1]
+                dtype = stored if stored in ("uint32", "uint8") else spec["dtype"]
                 raw = _tensor_bytes(_generate(pname, shape, quant, spec["seed"], dtype), dtype)
                 tensors[pname] = (_ST_DTYPES[dtype], shape, raw)
             write_safetensors(tmp / name, tensors, {"format": "mlx"})
