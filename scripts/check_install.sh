@@ -11,7 +11,9 @@ python3 -m venv "$tmp/venv"
 "$tmp/venv/bin/pip" install -q "$tmp"/wheel/*.whl
 cd "$tmp"
 export TITAN_RESOURCES="$tmp/resources"
-"$tmp/venv/bin/python" -m engine list | grep -q '^qwen3moe-tiny'
+"$tmp/venv/bin/python" -m engine list > "$tmp/models.txt"
+grep -q '^qwen3moe-tiny ' "$tmp/models.txt"
+grep -q '^tiny-mixtral ' "$tmp/models.txt"  # the packaged architectures file travels with the wheel
 "$tmp/venv/bin/python" -m engine decode --model qwen3moe-tiny --slots 16 --tokens 4 --prompt "def main():" | tail -2
 "$tmp/venv/bin/python" - <<'PY'
 import pathlib
