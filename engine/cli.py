@@ -6,15 +6,18 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-from . import api, versions
+from . import api, serve, versions
+from . import generate as generation
 from .config import EngineConfig, resources_dir
 from .device import kind as device_kind
+from .memory import fmt, parse_size
 from .models import embedded, registry, train
 from .predict import fitting, predictors, prompts, trace
 from .runtime import store as store_mod
 from .runtime.engine import open_store, store_dir
-from .runtime.loop import decode, summarize
+from .runtime.loop import MemoryWatch, decode, summarize
 from .runtime.staging import StagingError
 
 
@@ -42,6 +45,16 @@ def probability(value: str) -> float:
     return q
 
 
+def memory_size(value: str) -> int:
+    try:
+        n = parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {value!r}")
+    return n
+
+
 def _int(value: str) -> int:
     try:
         return int(value)
@@ -51,7 +64,21 @@ def _int(value: str) -> int:
 
 def add_engine_args(p):
     p.add_argument("--model", default="olmoe-tiny", help="model id from the registry (default: olmoe-tiny)")
-    p.add_argument("--slots", type=positive, default=None, help="slots per MoE layer (default: every expert)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--slots", type=positive, default=None, help="slots per MoE layer (default: every expert)")
+    size.add_argument(
+        "--memory",
+        type=memory_size,
+        default=None,
+        metavar="BUDGET",
+        help="a memory budget (e.g. 8GB, 512MiB) instead of --slots: the engine picks the slots",
+    )
+    p.add_argument(
+        "--context",
+        type=positive,
+        default=4096,
+        help="tokens of KV cache a --memory budget keeps room for (default 4096)",
+    )
     p.add_argument(
         "--tier", choices=["page_cache", "cold"], default="page_cache", help="storage tier of the expert store"
     )
@@ -98,6 +125,37 @@ def add_engine_args(p):
     )
 
 
+def add_generation_args(p):
+    p.add_argument("--prompt", default="The Python language", help="prompt text")
+    p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (- for stdin)")
+    p.add_argument("--max-tokens", type=positive, default=256, help="tokens to generate at most")
+    p.add_argument("--temp", type=non_negative_float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling threshold (1: off)")
+    p.add_argument("--min-p", type=probability, default=0.0, help="min-p sampling threshold (0: off)")
+    p.add_argument("--top-k", type=non_negative, default=0, help="sample among the k likeliest tokens (0: off)")
+    p.add_argument("--repetition-penalty", type=non_negative_float, default=None, help="e.g. 1.1 (default: off)")
+    p.add_argument("--seed", type=non_negative, default=None, help="random seed for sampling")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="apply the tokenizer's chat template (default: when the model has one)",
+    )
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the prompt as it is")
+
+
+def non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return x
+
+
 def engine_config(a) -> EngineConfig:
     return EngineConfig(
         slots=a.slots,
@@ -112,6 +170,8 @@ def engine_config(a) -> EngineConfig:
         predict_size=a.predict_size,
         min_prob=a.min_prob,
         fit_set=a.fit_set,
+        memory=a.memory,
+        context=a.context,
     )
 
 
@@ -199,6 +259,45 @@ def cmd_decode(a):
         print("counters: " + " ".join(f"{k}={v}" for k, v in eng.counters().items()))
     finally:
         eng.close()
+
+
+def read_prompt(a) -> str:
+    if a.prompt_file == "-":
+        return sys.stdin.read()
+    if a.prompt_file:
+        try:
+            return Path(a.prompt_file).read_text()
+        except OSError as e:
+            raise ValueError(f"--prompt-file: {a.prompt_file}: {e.strerror}") from None
+    return a.prompt
+
+
+def sampling(a) -> generation.Sampling:
+    return generation.Sampling(temp=a.temp, top_p=a.top_p, min_p=a.min_p, top_k=a.top_k,
+                               repetition_penalty=a.repetition_penalty, seed=a.seed)  # fmt: skip
+
+
+def cmd_generate(a):
+    prompt = read_prompt(a)
+    if not prompt:
+        raise ValueError("--prompt: the prompt is empty; give some text (or --prompt-file FILE, - for stdin)")
+    eng = api.load(a.model, engine_config(a))
+    try:
+        watch, before, last = MemoryWatch(), eng.counters(), None
+        for r in generation.stream(eng, prompt, a.max_tokens, sampling(a), a.chat):
+            print(r.text, end="", flush=True)
+            last = r
+        f = generation.figures(eng, last, before, watch)
+        hr = "n/a (all resident)" if f["hit_rate"] is None else f"{f['hit_rate']:.3f}"
+        print(f"\n---\n{a.model} S={f['slots']}/{f['experts']}: {f['tokens']} tokens at {f['tok_s']:.2f} tok/s "
+              f"(prompt {f['prompt_tok_s']:.1f} tok/s), hit rate {hr}, peak memory "
+              f"{fmt(f['peak_memory_bytes'])} (MLX), {fmt(f['peak_rss_bytes'] or 0)} (process)")  # fmt: skip
+    finally:
+        eng.close()
+
+
+def cmd_serve(a, rest):
+    serve.main(a.model, engine_config(a), rest)
 
 
 def cmd_trace(a):
@@ -313,6 +412,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive, default=None, help="only the first N prompts")
     p.set_defaults(fn=cmd_trace)
 
+    p = sub.add_parser("generate", help="generate text through mlx-lm's stream_generate, with its samplers")
+    add_engine_args(p)
+    add_generation_args(p)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser(
+        "serve",
+        help="mlx-lm's OpenAI-compatible HTTP server backed by an engine model (mlx_lm.server's own options pass "
+        "through: --host, --port, --max-tokens, ...)",
+    )
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_serve, passthrough=True)
+
     p = sub.add_parser("fit", help="fit a predictor on the fit traces and score it on the eval traces")
     p.add_argument("--model", default="olmoe-tiny")
     p.add_argument("--set", choices=list(prompts.SETS), default="general")
@@ -346,14 +458,17 @@ ERRORS = (
 
 
 def main(argv=None):
-    a = parser().parse_args(argv)
+    ap = parser()
+    a, rest = ap.parse_known_args(argv)
+    if rest and not getattr(a, "passthrough", False):
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.models:
         if not os.path.exists(a.models):
             print(f"error: --models: {a.models}: no such models file", file=sys.stderr)
             sys.exit(2)
         os.environ["TITAN_MODELS"] = a.models
     try:
-        a.fn(a)
+        a.fn(a, rest) if getattr(a, "passthrough", False) else a.fn(a)
     except ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

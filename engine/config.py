@@ -43,3 +43,5 @@ class EngineConfig:
     trace_tokens: int = 32  # decode tokens per prompt in those traces
     staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
     overlap: bool = True  # start each MoE layer's compute at once (async) rather than at the next sync
+    memory: int | None = None  # a memory budget in bytes instead of `slots` (engine.memory picks S)
+    context: int = 4096  # tokens of KV cache the memory budget keeps room for

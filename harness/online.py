@@ -9,13 +9,16 @@ from engine.config import EngineConfig
 from engine.models.registry import load_reference
 from engine.predict import predictors, prompts, simulate, trace
 from engine.predict.fitting import get_predictor
-from engine.runtime.loop import decode, totals
+from engine.runtime.loop import PEAKS, decode, model_bytes, totals
 
 
 def accumulate(acc, records):
     """Add a decode's steps (not its prefill, which is reported apart) to `acc`."""
     for k, v in totals(records).items():
-        acc[k] = acc.get(k, 0) + v
+        if k in PEAKS:  # a peak over several decodes is their largest
+            acc[k] = max((x for x in (acc.get(k), v) if x is not None), default=None)
+        else:
+            acc[k] = acc.get(k, 0) + v
 
 
 def configs(experts, slots, predictor_names, depths):
@@ -40,6 +43,8 @@ def summarize(acc) -> dict:
     )
     total = acc["hits"] + acc["misses"]
     res["hit_rate"] = acc["hits"] / total if total else None
+    for k in PEAKS:
+        res[k] = acc.get(k)
     for k in ("hits", "misses", "issued", "useful", "wasted", "late"):
         res[k] = acc[k]
     if acc["misses"]:
@@ -66,7 +71,10 @@ def summarize_repeats(accs) -> dict:
     total = {}
     for acc in accs:
         for k, v in acc.items():
-            total[k] = total.get(k, 0) + v
+            if k in PEAKS:
+                total[k] = max((x for x in (total.get(k), v) if x is not None), default=None)
+            else:
+                total[k] = total.get(k, 0) + v
     res = summarize(total)
     each = [summarize(acc) for acc in accs]
     for k in TIMED:
@@ -159,6 +167,11 @@ def sweep(
             install=None if eng is None else eng.tables[0].install_mode,
             **summarize_repeats(accs[S, name, depth]),
         )
+        # What this configuration would hold running alone: its model (weights not offloaded, slot
+        # tables) and the most one decode added (KV cache, activations). Every configuration of the
+        # sweep is loaded at once, so the process-wide peak says nothing about any one of them.
+        res["model_memory_bytes"] = model_bytes(models[S, name, depth])
+        res["memory_bytes"] = res["model_memory_bytes"] + (res.get("decode_memory_bytes") or 0)
         results.append(res)
         if progress:
             progress(res)

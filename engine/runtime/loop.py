@@ -1,13 +1,61 @@
 """The decode loop and what is said of a decode: per-step records, their summary, the split of
 a token's time, and the one comparison of two runs' logits."""
 
+import resource
+import sys
 import time
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .moe import StepStats, engine_layers
+
+
+class MemoryWatch:
+    """Memory while a decode runs. `peak_memory_bytes`: MLX's own peak (every array MLX holds:
+    weights, slot tables, KV cache, activations), reset when the decode starts; `decode_memory_bytes`:
+    how far that peak rose above what was allocated then (the KV cache and the activations of this
+    decode alone, whatever else the process holds); `peak_rss_bytes`: the process's resident-set
+    high-water mark (reset where Linux allows it, /proc/self/clear_refs)."""
+
+    def __init__(self):
+        mx.reset_peak_memory()
+        self.start = int(mx.get_active_memory())
+        self.rss_reset = _reset_rss_peak()
+
+    def peaks(self) -> dict:
+        peak = int(mx.get_peak_memory())
+        return dict(peak_memory_bytes=peak, decode_memory_bytes=max(0, peak - self.start), peak_rss_bytes=_rss_peak())
+
+
+def model_bytes(model) -> int:
+    """What a model holds in memory: every parameter's bytes. For an engine model the experts'
+    parameters are its slot tables, so this is the weights not offloaded plus the tables."""
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the VmHWM high-water mark to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak() -> int | None:
+    """The resident set's high-water mark, in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def expert_cache(model):
@@ -30,6 +78,7 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
         raise ValueError(f"max_tokens must be at least 0, not {max_tokens}")
     cache = make_prompt_cache(model)
     experts = expert_cache(model)
+    memory = MemoryWatch()
     stats = experts.stats if experts is not None else StepStats()
     records, logits_out, tokens = [], [], []
     inp = mx.array(prompt_ids, dtype=mx.uint32)[None]
@@ -45,6 +94,7 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
         dt = time.perf_counter() - t0
         rec = dict(step=step, phase="prefill" if step == 0 else "decode", rows=inp.shape[1], seconds=dt)
         rec.update(stats.as_dict())
+        rec.update(memory.peaks())
         records.append(rec)
         if keep_logits:
             logits_out.append(np.array(logits.astype(mx.float32))[0])
@@ -66,7 +116,13 @@ def totals(records) -> dict:
     out = dict(tokens=len(dec), seconds=sum(r["seconds"] for r in dec))
     for k in COUNTS + SECONDS + ("bytes_read", "chunks"):
         out[k] = sum(r.get(k, 0) for r in dec)
+    for k in PEAKS:  # the prefill's too: a peak is of the whole decode
+        vals = [r[k] for r in records if r.get(k) is not None]
+        out[k] = max(vals) if vals else None
     return out
+
+
+PEAKS = ("peak_memory_bytes", "decode_memory_bytes", "peak_rss_bytes")
 
 
 def summarize(records) -> dict:
@@ -88,6 +144,9 @@ def summarize(records) -> dict:
     for k in ("issued", "useful", "wasted", "late", "cancelled"):
         out[k] = t[k]
     out["late_stall_s_per_token"] = t["late_stall_s"] / n
+    for k in PEAKS:
+        if t.get(k) is not None:
+            out[k] = t[k]
     out["sync_s_per_token"] = t["sync_s"] / n
     if t["misses"]:
         for k in ("pread_s", "array_s", "install_s", "stall_s"):

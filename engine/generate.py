@@ -1,0 +1,79 @@
+"""Text generation through mlx-lm's own `stream_generate` on an engine model: its samplers
+(temperature, top-p, min-p, top-k), its logits processors (repetition penalty), the tokenizer's
+chat template when the model has one. At temperature 0 the tokens are plain mlx-lm's."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from .runtime.loop import MemoryWatch
+
+
+@dataclass
+class Sampling:
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+def prompt_text(tokenizer, prompt: str, chat: bool | None = None) -> str:
+    """The prompt as the model expects it: through the tokenizer's chat template when it has one
+    (or when `chat` says so), as given otherwise."""
+    template = getattr(tokenizer, "chat_template", None)
+    if chat is None:
+        chat = template is not None
+    if not chat:
+        return prompt
+    if template is None:
+        raise ValueError("--chat: this model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def stream(eng, prompt: str, max_tokens: int = 256, sampling: Sampling | None = None, chat: bool | None = None):
+    """Yield mlx-lm's GenerationResponse objects (text pieces, tokens, speeds) as they come."""
+    sampling = sampling or Sampling()
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    text = prompt_text(eng.tokenizer, prompt, chat)
+    if not text:
+        raise ValueError("the prompt is empty: give some text")
+    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
+    processors = make_logits_processors(repetition_penalty=sampling.repetition_penalty)
+    yield from stream_generate(eng.model, eng.tokenizer, text, max_tokens=max_tokens, sampler=sampler,
+                               logits_processors=processors)  # fmt: skip
+
+
+def generate(eng, prompt: str, max_tokens: int = 256, sampling: Sampling | None = None, chat: bool | None = None):
+    """The whole text, and figures: tokens/s, the expert cache's hit rate, peak memory."""
+    watch = MemoryWatch()
+    before = eng.counters()
+    pieces, last = [], None
+    for r in stream(eng, prompt, max_tokens, sampling, chat):
+        pieces.append(r.text)
+        last = r
+    return "".join(pieces), figures(eng, last, before, watch)
+
+
+def figures(eng, last, before: dict, watch: MemoryWatch) -> dict:
+    now = eng.counters()
+    hits, misses = now["hits"] - before["hits"], now["misses"] - before["misses"]
+    out = dict(
+        tokens=last.generation_tokens if last else 0,
+        tok_s=last.generation_tps if last else 0.0,
+        prompt_tok_s=last.prompt_tps if last else 0.0,
+        hit_rate=hits / (hits + misses) if hits + misses else None,
+        misses=misses,
+        slots=eng.slots,
+        experts=eng.num_experts,
+    )
+    out.update(watch.peaks())
+    return out

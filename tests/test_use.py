@@ -1,0 +1,202 @@
+"""Using the engine as one uses mlx-lm: `generate` (mlx-lm's stream_generate with its samplers),
+a memory budget instead of a slot count, and an OpenAI-compatible server."""
+
+import concurrent.futures
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import mlx_lm
+import pytest
+from conftest import ROOT
+
+from engine import generate as generation
+from engine import load
+from engine.memory import parse_size, plan
+from engine.models.registry import load_reference
+
+MODEL = "qwen3moe-tiny"
+
+
+def run(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "engine", *args], input=stdin, capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)  # fmt: skip
+
+
+# -- generate --------------------------------------------------------------------------------------
+def test_greedy_generate_gives_plain_mlx_lms_tokens():
+    model, tok, _ = load_reference(MODEL)
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, "def fibonacci(n):", max_tokens=16)]
+    eng = load(MODEL, slots=16, predictor="previous")
+    try:
+        got = [r.token for r in generation.stream(eng, "def fibonacci(n):", 16)]
+        text, figures = generation.generate(eng, "def fibonacci(n):", 16)
+    finally:
+        eng.close()
+    assert got == want
+    assert text == tok.decode(want)
+    assert figures["tokens"] == 16 and figures["misses"] > 0 and 0 < figures["hit_rate"] < 1
+    assert figures["peak_memory_bytes"] > 0
+
+
+def test_sampling_follows_its_seed_and_its_settings():
+    eng = load(MODEL, slots=32)
+    try:
+        s = generation.Sampling(temp=1.0, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=7)
+        a, _ = generation.generate(eng, "import os", 12, s)
+        b, _ = generation.generate(eng, "import os", 12, s)
+        c, _ = generation.generate(eng, "import os", 12, generation.Sampling(temp=1.0, seed=8))
+    finally:
+        eng.close()
+    assert a == b and a != c
+
+
+def test_a_chat_template_is_applied_when_there_is_one():
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return f"<user>{messages[0]['content']}</user><assistant>"
+
+    assert generation.prompt_text(Tok(), "hi") == "<user>hi</user><assistant>"
+    assert generation.prompt_text(Tok(), "hi", chat=False) == "hi"
+
+    class Plain:
+        chat_template = None
+
+    assert generation.prompt_text(Plain(), "hi") == "hi"
+    with pytest.raises(ValueError, match="--chat: this model's tokenizer has no chat template"):
+        generation.prompt_text(Plain(), "hi", chat=True)
+
+
+def test_generate_on_the_command_line_from_stdin_and_a_file(tmp_path):
+    r = run("generate", "--model", MODEL, "--slots", "16", "--max-tokens", "6", "--prompt-file", "-",
+            stdin="def main():")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text, _, figures = r.stdout.rpartition("\n---\n")
+    assert text and "6 tokens at" in figures and "hit rate" in figures and "peak memory" in figures
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def main():")
+    r2 = run("generate", "--model", MODEL, "--slots", "16", "--max-tokens", "6", "--prompt-file", str(prompt))
+    assert r2.stdout.rpartition("\n---\n")[0] == text  # greedy: the same text either way
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--temp", "-1"], "argument --temp: must be at least 0"),
+        (["--top-p", "2"], "argument --top-p: must lie in [0, 1]"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
+        (["--prompt", ""], "--prompt: the prompt is empty"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: /nonexistent/prompt.txt: No such file"),
+        (["--memory", "lots"], "argument --memory: not a size: 'lots'"),
+        (["--memory", "8GB", "--slots", "8"], "not allowed with argument"),
+    ],
+)
+def test_generate_refuses_bad_options_by_name(args, named):
+    r = run("generate", "--model", MODEL, *args)
+    assert r.returncode == 2 and named in r.stderr, r.stderr
+
+
+# -- a memory budget -------------------------------------------------------------------------------
+def test_sizes_parse():
+    assert parse_size("8GB") == 8_000_000_000 and parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5g") == 1_500_000_000 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("8 parsecs")
+
+
+@pytest.mark.parametrize("budget", ["3MB", "4MB", "6MB"])
+def test_the_memory_budget_chooses_slots_and_the_peak_stays_under_it(budget):
+    r = run("decode", "--model", MODEL, "--memory", budget, "--context", "64", "--tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "memory budget" in r.stderr and "experts per MoE layer" in r.stderr
+    summary = json.loads(r.stdout)["summary"]
+    assert summary["peak_memory_bytes"] <= parse_size(budget)
+    assert summary["misses"] > 0  # the budget really left experts out
+
+
+def test_a_bigger_budget_gives_more_slots_up_to_every_expert():
+    model, _, _ = load_reference(MODEL)
+    small, big = plan(model, parse_size("3MB"), 8, 64), plan(model, parse_size("6MB"), 8, 64)
+    huge = plan(model, parse_size("1GB"), 8, 64)
+    assert 8 <= small.slots < big.slots < huge.slots == 128
+    assert small.total <= small.budget and big.total <= big.budget
+
+
+def test_a_budget_too_small_is_refused_naming_what_it_needs():
+    r = run("decode", "--model", MODEL, "--memory", "1MB", "--context", "64", "--tokens", "2")
+    assert r.returncode == 2
+    assert "--memory 1.0 MB cannot hold this model" in r.stderr and "top-8 experts" in r.stderr, r.stderr
+
+
+# -- the server ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "serve", "--model", MODEL, "--slots", "16", "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}/v1"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def client(url):
+    import openai  # the tests' own dependency: a real OpenAI client
+
+    return openai.OpenAI(base_url=url, api_key="not-needed", max_retries=0, timeout=120)
+
+
+def test_the_server_answers_a_streamed_chat_and_a_plain_completion(server):
+    c = client(server)
+    chunks = c.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": "def main():"}], max_tokens=8, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed
+    done = c.completions.create(model="default_model", prompt="def fibonacci(n):", max_tokens=8, temperature=0)
+    assert done.choices[0].text and done.usage.completion_tokens == 8
+    model, tok, _ = load_reference(MODEL)
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, "def fibonacci(n):", max_tokens=8)]
+    assert done.choices[0].text == tok.decode(want)  # greedy through the server: plain mlx-lm's tokens
+
+
+def test_two_clients_at_once_get_what_each_would_alone(server):
+    c = client(server)
+    prompts = ["import os\n", "class Stack:"]
+
+    def ask(p):
+        return c.completions.create(model="default_model", prompt=p, max_tokens=10, temperature=0).choices[0].text
+
+    alone = [ask(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+
+
+def test_a_malformed_request_gets_a_4xx_and_the_server_keeps_serving(server):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{server}/chat/completions", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert 400 <= err.value.code < 500
+    ok = client(server).completions.create(model="default_model", prompt="x = 1", max_tokens=3, temperature=0)
+    assert ok.choices[0].text is not None
