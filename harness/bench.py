@@ -26,7 +26,7 @@ from engine.predict import prompts, trace
 from engine.predict.predictors import FITTED
 from engine.runtime import staging
 from engine.runtime.engine import build_cache, open_store
-from engine.runtime.loop import decode, summarize, time_split, totals
+from engine.runtime.loop import decode, model_bytes, summarize, time_split, totals
 from engine.runtime.moe import records_to_mx
 from engine.runtime.slots import SlotTable
 
@@ -119,6 +119,7 @@ def throughput(a):
     models = {"mlx-lm": ref, **{k: e.model for k, e in engines.items()}}
     runs = {k: [] for k in models}
     splits = {k: [] for k in models}
+    grown = dict.fromkeys(models, 0)
     for m in models.values():  # warm-up: first-call compilation
         decode(m, ids, 4)
     names = list(models)
@@ -127,6 +128,7 @@ def throughput(a):
             recs = decode(models[k], ids, a.tokens)[1]
             runs[k].append(summarize(recs)["tok_s"])
             splits[k].append(time_split(recs))
+            grown[k] = max(grown[k], totals(recs)["decode_memory_bytes"] or 0)
     hit_rate = {
         k: e.counters()["hits"] / max(1, e.counters()["hits"] + e.counters()["misses"])
         for k, e in engines.items()
@@ -150,6 +152,9 @@ def throughput(a):
         install=installs_used,
         hit_rate=hit_rate,
         time_split_ms=split,
+        # what each configuration holds (model: weights not offloaded and slot tables) plus the
+        # most one of its decodes added (KV cache, activations): comparable though all are loaded
+        memory_bytes={k: model_bytes(m) + grown[k] for k, m in models.items()},
     )
     print(f"{mid}: median decode tok/s over {a.repeats} interleaved runs of {a.tokens} tokens [min, max]")
     for k, v in res.items():
@@ -157,7 +162,7 @@ def throughput(a):
         inst = installs_used.get(k, "")
         print(
             f"  {k:14s} {v:9.2f} tok/s [{sp['min']:.2f}, {sp['max']:.2f}]  x{out['ratio_vs_resident'][k]:.3f} "
-            f"of S=E  {inst}"
+            f"of S=E  {out['memory_bytes'][k] / 1e6:8.1f} MB  {inst}"
         )
         if k in split and k not in ("mlx-lm", "S=E"):
             print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in split[k].items()))

@@ -102,6 +102,9 @@ def prefetch_table(recs):
         "wasted",
         "late",
         "tokens",
+        "model_memory_bytes",
+        "decode_memory_bytes",
+        "memory_bytes",
         "repeats",
         "runs",
     ]
@@ -255,6 +258,7 @@ def bench_table(recs):
             for k, sp in res.get("tok_s_spread", {}).items():
                 figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = sp["min"], sp["max"]
             figs.update({f"x resident[{k}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
+            figs.update({f"memory_bytes[{k}]": v for k, v in res.get("memory_bytes", {}).items()})
             figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
         elif base["bench"] == "miss":
             figs = {f"per_miss_ms[{k}]": v for k, v in res["per_miss_ms"].items()}

@@ -328,6 +328,46 @@ def placement(figdir):
     _save(fig, figdir, "placement")
 
 
+def memory(figdir):
+    """Tokens/s against the memory a configuration holds (its model: weights not offloaded and
+    slot tables; plus what one decode adds), resident mlx-lm as the reference point."""
+    df = _read(figdir, "prefetch_online")
+    df = df[df["memory_bytes"].notna()] if "memory_bytes" in df.columns else df.iloc[0:0]
+    if df.empty:
+        return _empty(figdir, "throughput_vs_memory", "memory measurements")
+    df["machine"] = _machine(df)
+    df = df[df["predictor"].isin(["mlx-lm", "none", "oracle"])]
+    panels = sorted(df.groupby(["machine", "model"]).groups)
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+        g = df[(df["machine"] == key[0]) & (df["model"] == key[1])]
+        for (pred, tier), h in g[g["predictor"] != "mlx-lm"].groupby(["predictor", "tier"]):
+            h = h.groupby("slots", as_index=False)[["memory_bytes", "tok_s"]].median().sort_values("memory_bytes")
+            ax.plot(h["memory_bytes"] / 1e6, h["tok_s"], marker="o", color=COLORS.get(pred),
+                    linestyle="-" if tier == "page_cache" else "--", label=f"{pred} ({tier})")  # fmt: skip
+            for r in h.itertuples():
+                ax.annotate(f"S={r.slots}", (r.memory_bytes / 1e6, r.tok_s), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")  # fmt: skip
+        ref = g[g["predictor"] == "mlx-lm"]
+        if not ref.empty:
+            ax.scatter(ref["memory_bytes"] / 1e6, ref["tok_s"], marker="*", s=120, color="k", label="mlx-lm resident")
+        ax.set_title(f"{key[1]}\n{key[0]}", fontsize=8)
+        ax.set_xlabel("memory held (MB): model + one decode's peak growth")
+        ax.set_ylabel("decode tok/s")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    legend = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=min(5, len(legend)))
+    fig.suptitle("Throughput against memory")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    _save(fig, figdir, "throughput_vs_memory")
+
+
 def build(figdir):
     design(figdir)
     _online(figdir, "throughput_vs_slots", "tok_s", "decode tok/s", "Throughput against slots, by predictor")
@@ -337,3 +377,4 @@ def build(figdir):
     routing(figdir)
     train_loss(figdir)
     placement(figdir)
+    memory(figdir)
