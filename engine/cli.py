@@ -181,7 +181,7 @@ def cmd_list(a):
             state = f"{spec['repo']} @ {spec['revision'] or 'not pinned'}"
         else:
             built = (resources_dir() / "models" / mid / embedded.MANIFEST).exists()
-            shape = registry.shape_of(spec)
+            shape = {k: ("default" if v is None else v) for k, v in registry.shape_of(spec).items()}
             state = (
                 f"{spec['architecture']} {spec['dtype']} E={shape['experts']} K={shape['top_k']} L={shape['layers']} "
                 + ("built" if built else "not built")
@@ -421,6 +421,7 @@ def parser() -> argparse.ArgumentParser:
         "serve",
         help="mlx-lm's OpenAI-compatible HTTP server backed by an engine model (mlx_lm.server's own options pass "
         "through: --host, --port, --max-tokens, ...)",
+        epilog="Options not listed here (--host, --port, --max-tokens, ...) pass through to mlx_lm.server.",
     )
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve, passthrough=True)
@@ -472,3 +473,7 @@ def main(argv=None):
     except ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:
+        # A reader such as `head` closed the pipe: stop quietly, as command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -200,3 +200,15 @@ def test_a_malformed_request_gets_a_4xx_and_the_server_keeps_serving(server):
     assert 400 <= err.value.code < 500
     ok = client(server).completions.create(model="default_model", prompt="x = 1", max_tokens=3, temperature=0)
     assert ok.choices[0].text is not None
+
+
+def test_a_listing_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`python -m engine list | head -1` stops without a traceback and exits 0; the reader here closes
+    before reading anything, so the first write already meets a closed pipe."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "list"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
