@@ -11,15 +11,28 @@ raw=results/smoke/raw
 mkdir -p results/logs
 setsid "${smk[@]}" > results/logs/resume-first.log 2>&1 &
 pid=$!
+# The outer Snakemake's progress lines ("k of N steps"); each job's inner Snakemake prints "1 of 1".
+outer_done() { grep -cE '^[0-9]+ of ([2-9]|[0-9]{2,}) steps' results/logs/resume-first.log || true; }
 first=""
 for _ in $(seq 900); do
-  first=$(find "$raw" -name "$run*.jsonl" 2> /dev/null | head -1)
+  # find fails while $raw does not exist yet (a fresh clone); that is "not yet", not an error.
+  first=$(find "$raw" -name "$run*.jsonl" 2> /dev/null | head -1 || true)
   [ -n "$first" ] && break
   sleep 1
 done
 [ -n "$first" ] || { echo "no raw file of run $run appeared" >&2; kill -- -"$pid"; exit 1; }
+# The file exists once its job has written it, but the job is done only when the outer Snakemake
+# says so; killed before that, Snakemake rightly removes it as possibly corrupt. With --jobs 1 the
+# next progress line is that job's.
+done0=$(outer_done)
+for _ in $(seq 300); do
+  [ "$(outer_done)" -gt "$done0" ] && break
+  sleep 1
+done
+[ "$(outer_done)" -gt "$done0" ] || { echo "the job writing $first never finished" >&2; kill -- -"$pid"; exit 1; }
 kill -- -"$pid"  # the whole process group: Snakemake and the job it was running
 wait "$pid" 2> /dev/null || true
+[ -f "$first" ] || { echo "Snakemake removed $first although its job had finished" >&2; exit 1; }
 before=$(stat -c '%i %Y %s' "$first"; sha256sum < "$first")
 n_before=$(find "$raw" -name "$run*.jsonl" | wc -l)
 echo "killed run $run with $n_before raw file(s) written, first $first"

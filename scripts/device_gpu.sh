@@ -7,7 +7,9 @@
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
 #   steps: tests (the pinned path's and the exactness tests), build (the full-size model and its
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
-#   confidence floor), install, gate_c (the gpu profile's gate C; needs Snakemake)
+#   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
+#   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
+#   run id is $RUN, default gpu-<commit>; rerunning resumes it)
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
 # untracked files between calls) and OUTDIR/log.txt.
 set -uo pipefail
@@ -34,15 +36,19 @@ for step in "$@"; do
   case $step in
     tests) run $py -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_exactness.py ;;
     build) run $py -m engine store build $full ;;
-    miss) run $py -m engine bench miss --repeats 2 --readers 4 --batch 1 8 --record ;;
-    throughput) run $py -m engine bench throughput --model $full --tokens 32 --repeats 7 --slots 16 32 \
+    miss) run $py -m harness bench miss --repeats 2 --readers 4 --batch 1 8 --record ;;
+    throughput) run $py -m harness bench throughput --model $full --tokens 32 --repeats 7 --slots 16 32 \
                   --installs pinned copy --overlap both --record ;;
-    prefetch) run $py -m engine bench prefetch --model $full --slots 16 --install pinned --predictors oracle \
+    prefetch) run $py -m harness bench prefetch --model $full --slots 16 --install pinned --predictors oracle \
                 --depths 1 2 3 --prompts 5 --tokens 32 --record ;;
-    fitted) run $py -m engine bench prefetch --model $full --slots 16 --install pinned \
+    fitted) run $py -m harness bench prefetch --model $full --slots 16 --install pinned \
               --predictors probe transition popularity --depths 1 --min-probs 0 0.25 --prompts 3 --tokens 32 --record ;;
-    install) run $py -m engine bench install --record --repeats 3 ;;
-    gate_c) run $py -m snakemake --profile profiles/gpu --scheduler greedy gate_c ;;
+    install) run $py -m harness bench install --record --repeats 3 ;;
+    memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
+              --installs pinned --overlap on --record ;;
+    gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
+            run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
+              results/raw/C/prefetch_online/$r-$full-page_cache-{general,code}.jsonl ;;
     *) log "unknown step $step" ;;
   esac
 done
