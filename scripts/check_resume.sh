@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Resuming under a per-job executor: the smoke run through cluster-generic (every job in a fresh
-# Snakemake, as on SLURM) is killed once its first raw file exists, then run again. The second
-# invocation must keep that file as it was, measure only what is missing, and finish.
+# Snakemake, as on SLURM) is killed once the job that wrote its first raw file has finished, then
+# run again. The second invocation must keep that file as it was, measure only what is missing,
+# and finish.
 # Usage: scripts/check_resume.sh [RUN]   (from the repository root, in its virtual environment)
 set -euo pipefail
 run=${1:-resume-$(date -u +%Y%m%dT%H%M%S)}
