@@ -49,6 +49,21 @@ def _empty(figdir, name, what):
     _save(fig, figdir, name)
 
 
+def _shared_legend(fig, axes, used, title, bottom, max_cols=None):
+    """Blank the unused panels, one legend for all panels (not every panel has every series),
+    then the title and layout."""
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    legend = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    ncol = min(max_cols or len(legend), len(legend))
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=ncol)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, bottom, 1, 0.97))
+
+
 def _machine(df):
     return df["device"].astype(str) + " " + df["chip"].astype(str).str.slice(0, 28)
 
@@ -149,15 +164,7 @@ def _online(figdir, name, column, ylabel, title):
         ax.set_title(f"{key[1]}, {key[2]} tier\n{key[0]}", fontsize=8)
         ax.set_xlabel("slots per layer")
         ax.set_ylabel(ylabel)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    legend = {}
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=min(4, len(legend)))
-    fig.suptitle(title + " (bands: min..max over repetitions, where repeated)")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.97))
+    _shared_legend(fig, axes, len(panels), title + " (bands: min..max over repetitions, where repeated)", 0.08, 4)
     _save(fig, figdir, name)
 
 
@@ -214,16 +221,7 @@ def predictor_recall(figdir):
         ax.set_ylim(0, 1.05)
         ax.set_xticks(depths)
         ax.set_xlim(min(depths) - 0.3, max(depths) + 0.3)  # a panel with d=1 only keeps the same axis
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    # One legend for every panel: not every model has every predictor.
-    legend = {}
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=len(legend))
-    fig.suptitle("Predictor recall by prefetch depth (held-out prompts)")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97))
+    _shared_legend(fig, axes, len(panels), "Predictor recall by prefetch depth (held-out prompts)", 0.06)
     _save(fig, figdir, "predictor_recall")
 
 
@@ -356,15 +354,7 @@ def memory(figdir):
         ax.set_title(f"{key[1]}\n{key[0]}", fontsize=8)
         ax.set_xlabel("memory held (MB): model + one decode's peak growth")
         ax.set_ylabel("decode tok/s")
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    legend = {}
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="lower center", ncol=min(5, len(legend)))
-    fig.suptitle("Throughput against memory")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    _shared_legend(fig, axes, len(panels), "Throughput against memory", 0.07, 5)
     _save(fig, figdir, "throughput_vs_memory")
 
 
