@@ -10,7 +10,7 @@ from pathlib import Path
 
 from . import api, serve, versions
 from . import generate as generation
-from .config import EngineConfig, resources_dir
+from .config import EngineConfig, build_lock, resources_dir
 from .device import kind as device_kind
 from .memory import fmt, parse_size
 from .models import embedded, registry, train
@@ -194,8 +194,9 @@ def cmd_build(a):
     if spec["kind"] != "embedded":
         raise registry.RegistryError(f"model '{a.model}' is real: it is pinned and loaded, never built")
     out = resources_dir() / "models" / a.model
-    if a.force or not out.exists():
-        embedded.build(spec, out)
+    if a.force:
+        with build_lock(out):
+            embedded.build(spec, out)
     else:
         embedded.check_or_build(spec, out)
     print(out)
@@ -209,8 +210,9 @@ def cmd_pin(a):
 def cmd_store(a):
     model, _, spec, path = registry.load(a.model, lazy=True)
     if a.action == "build":
-        if a.force or not (store_dir(a.model) / "index.json").exists():
-            store_mod.build(model, path, store_dir(a.model), a.model)
+        with build_lock(store_dir(a.model)):
+            if a.force or not (store_dir(a.model) / "index.json").exists():
+                store_mod.build(model, path, store_dir(a.model), a.model)
         print(store_dir(a.model))
     else:
         with open_store(a.model, model, path, build=False) as s:

@@ -5,6 +5,8 @@ Built models, expert stores, traces and fitted predictors go under the *resource
 this repository); else `~/.cache/titan` (an installed wheel).
 """
 
+import contextlib
+import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,21 @@ def resources_dir() -> Path:
         return Path(os.environ["TITAN_RESOURCES"])
     root = checkout()
     return root / "resources" if root else Path.home() / ".cache" / "titan"
+
+
+@contextlib.contextmanager
+def build_lock(out: Path):
+    """Held while `out` (a model or store folder) is built: processes that start at once (the
+    nodes of a multi-node run, parallel jobs of a workflow) build it once, and the others wait
+    and then find it built, instead of racing to replace the folder another is reading."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -173,3 +175,25 @@ def test_every_real_model_pins_and_resolves_from_the_cache(models_file, hf_cache
     assert registry.pin(model_id) == HASH
     assert registry.get_spec(model_id)["revision"] == HASH
     assert registry.model_dir(model_id) == snap
+
+
+def test_processes_that_start_at_once_build_a_model_and_its_store_once(tmp_path):
+    """The nodes of a multi-node run (and parallel workflow jobs) start together on a fresh
+    checkout: one builds the model and its store, the others wait for it and use what it built
+    (a fresh `snakemake all` once failed here: one node replaced the folder the other read)."""
+    code = (
+        "from engine.models import registry\n"
+        "from engine.runtime.engine import open_store\n"
+        "model, _, _, path = registry.load('qwen3moe-tiny', lazy=True)\n"
+        "with open_store('qwen3moe-tiny', model, path) as s:\n"
+        "    s.verify_all()\n"
+    )
+    env = dict(os.environ, TITAN_RESOURCES=str(tmp_path))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True) for _ in range(3)
+    ]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    text = "".join(errs)
+    assert text.count("building embedded model qwen3moe-tiny") == 1, text
+    assert text.count("building the expert store of qwen3moe-tiny") == 1, text

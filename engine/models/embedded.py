@@ -27,6 +27,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..config import build_lock
+
 BUILDER_VERSION = 1
 MANIFEST = "titan-build.json"
 SHARD_BYTES = 1 << 30
@@ -299,18 +301,28 @@ def check_or_build(spec, out: Path, allow_build: bool = True):
     """Build `out` if absent; refuse a folder built from another spec (nothing is deleted)."""
     manifest = Path(out) / MANIFEST
     if not manifest.exists():
-        if Path(out).exists():
-            raise BuildError(f"{out} exists but holds no {MANIFEST}: not an embedded build; move it away")
-        if "training" in spec:
-            base = spec["id"].removesuffix("-f32")
-            raise BuildError(
-                f"model '{spec['id']}' is trained, not built: run `snakemake --cores 2 train` "
-                f"or `python -m engine train {base}` (about 20 minutes on 2 cores)"
-            )
-        if not allow_build:
-            raise BuildError(f"model '{spec['id']}' is not built; run `python -m engine build {spec['id']}`")
-        print(f"[titan] building embedded model {spec['id']} into {out} ...", file=sys.stderr, flush=True)
-        return build(spec, out)
+        with build_lock(out):
+            if not manifest.exists():  # another process may have built it while we waited
+                return _build_missing(spec, out, allow_build)
+    return _check_digest(spec, out, manifest)
+
+
+def _build_missing(spec, out: Path, allow_build: bool):
+    if Path(out).exists():
+        raise BuildError(f"{out} exists but holds no {MANIFEST}: not an embedded build; move it away")
+    if "training" in spec:
+        base = spec["id"].removesuffix("-f32")
+        raise BuildError(
+            f"model '{spec['id']}' is trained, not built: run `snakemake --cores 2 train` "
+            f"or `python -m engine train {base}` (about 20 minutes on 2 cores)"
+        )
+    if not allow_build:
+        raise BuildError(f"model '{spec['id']}' is not built; run `python -m engine build {spec['id']}`")
+    print(f"[titan] building embedded model {spec['id']} into {out} ...", file=sys.stderr, flush=True)
+    return build(spec, out)
+
+
+def _check_digest(spec, out: Path, manifest: Path):
     try:
         digest = json.loads(manifest.read_text())["spec_digest"]
     except (ValueError, KeyError) as e:

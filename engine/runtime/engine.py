@@ -7,7 +7,7 @@ import sys
 import mlx.core as mx
 
 from .. import device
-from ..config import EngineConfig, resources_dir
+from ..config import EngineConfig, build_lock, resources_dir
 from ..predict import predictors
 from . import store as store_mod
 from .moe import ExpertCache, SlotSwitchGLU
@@ -25,8 +25,10 @@ def open_store(model_id: str, model, model_path, tier="page_cache", readers=4, v
     if not (path / "index.json").exists():
         if not build:
             raise store_mod.StoreError(f"{path}: no store; run `python -m engine store build {model_id}`")
-        print(f"[titan] building the expert store of {model_id} into {path} ...", file=sys.stderr, flush=True)
-        store_mod.build(model, model_path, path, model_id)
+        with build_lock(path):
+            if not (path / "index.json").exists():  # another process may have built it meanwhile
+                print(f"[titan] building the expert store of {model_id} into {path} ...", file=sys.stderr, flush=True)
+                store_mod.build(model, model_path, path, model_id)
     return store_mod.Store(path, model_path=model_path, tier=tier, readers=readers, verify=verify)
 
 
