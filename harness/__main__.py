@@ -29,7 +29,7 @@ def cmd_train(a):
     )
     path = rawlog.write_run(
         "train",
-        "olmoe_trained",
+        a.model.replace("-", "_"),
         out["curve"],
         config=cfg,
         seed=spec["training"]["seed"],

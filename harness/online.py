@@ -21,12 +21,19 @@ def accumulate(acc, records):
             acc[k] = acc.get(k, 0) + v
 
 
-def configs(experts, slots, predictor_names, depths):
-    """(slots, predictor, depth) to run: the ceiling, S = E, then every S < E."""
-    out = [(experts, "mlx-lm", 0), (experts, "none", 0)]
+def configs(experts, slots, predictor_names, depths, min_probs=(0.0,)):
+    """(slots, predictor, depth, min_prob) to run: the ceiling, S = E, then every S < E; a fitted
+    predictor at every confidence floor in `min_probs`, the others without one."""
+    out = [(experts, "mlx-lm", 0, 0.0), (experts, "none", 0, 0.0)]
     for s in sorted(s for s in slots if s < experts):
-        out.append((s, "none", 0))
-        out += [(s, p, d) for p in predictor_names if p != "none" for d in depths]
+        out.append((s, "none", 0, 0.0))
+        out += [
+            (s, p, d, q)
+            for p in predictor_names
+            if p != "none"
+            for d in depths
+            for q in (min_probs if p in predictors.FITTED else (0.0,))
+        ]
     return out
 
 
@@ -116,6 +123,7 @@ def sweep(
     progress=None,
     size=None,
     repeats=3,
+    min_probs=(0.0,),
 ):
     """One result dict per configuration (see `configs`): each configuration decodes every
     prompt once per repetition, the configurations interleaved (summarize_repeats)."""
@@ -127,9 +135,10 @@ def sweep(
     decode(ref, inputs[0], 2)  # warm-up
     engines = {}
     try:
-        for S, name, depth in configs(E, slots, predictor_names, depths):
+        for S, name, depth, q in configs(E, slots, predictor_names, depths, min_probs):
+            c = (S, name, depth, q)
             if name != "mlx-lm":
-                engines[S, name, depth] = load(
+                engines[c] = load(
                     model_id,
                     EngineConfig(
                         slots=S,
@@ -141,11 +150,12 @@ def sweep(
                         fit_set=prompt_set,
                         trace_tokens=fit_tokens,
                         predict_size=size,
+                        min_prob=q,
                     ),
                 )
-                engines[S, name, depth].bind_oracle(oracle_sets[0])
-                decode(engines[S, name, depth].model, inputs[0], min(2, tokens))  # warm-up
-        models = {(E, "mlx-lm", 0): ref, **{c: e.model for c, e in engines.items()}}
+                engines[c].bind_oracle(oracle_sets[0])
+                decode(engines[c].model, inputs[0], min(2, tokens))  # warm-up
+        models = {(E, "mlx-lm", 0, 0.0): ref, **{c: e.model for c, e in engines.items()}}
         accs = run_interleaved(
             models, inputs, tokens, repeats, bind=lambda c, i: c in engines and engines[c].bind_oracle(oracle_sets[i])
         )
@@ -153,8 +163,8 @@ def sweep(
         for eng in engines.values():
             eng.close()
     results = []
-    for S, name, depth in models:
-        eng = engines.get((S, name, depth))
+    for S, name, depth, q in models:
+        eng = engines.get((S, name, depth, q))
         res = dict(
             model=model_id,
             tier=tier,
@@ -163,14 +173,15 @@ def sweep(
             experts=E,
             predictor=name,
             depth=depth,
+            min_prob=q,
             prompts=len(rows),
             install=None if eng is None else eng.tables[0].install_mode,
-            **summarize_repeats(accs[S, name, depth]),
+            **summarize_repeats(accs[S, name, depth, q]),
         )
         # What this configuration would hold running alone: its model (weights not offloaded, slot
         # tables) and the most one decode added (KV cache, activations). Every configuration of the
         # sweep is loaded at once, so the process-wide peak says nothing about any one of them.
-        res["model_memory_bytes"] = model_bytes(models[S, name, depth])
+        res["model_memory_bytes"] = model_bytes(models[S, name, depth, q])
         res["memory_bytes"] = res["model_memory_bytes"] + (res.get("decode_memory_bytes") or 0)
         results.append(res)
         if progress:

@@ -5,9 +5,15 @@ prose), entirely offline.
 Data: the prose of `pydoc_data.topics` (general) and standard-library source (code), minus
 every source an eval prompt is drawn from. Tokenizer: a byte-level BPE trained with
 `tokenizers`. Both are deterministic for a seed. The model is mlx-lm's own `olmoe` class,
-trained in float32 (fast on MLX's CPU backend) with OLMoE's load-balancing loss, then
-quantized with mlx-lm's `quantize_model` (4-bit affine, group 64) and saved twice: in
-float32 (CPU timing runs) and float16 (as OLMoE itself is).
+trained in float32 on whatever device MLX runs on (the small one on a CPU, the wide one on a
+GPU) with OLMoE's load-balancing loss, then quantized with mlx-lm's `quantize_model` (4-bit
+affine, group 64) and saved as every registered variant of it: `<id>` in its own dtype (float16,
+as OLMoE itself is) and `<id>-f32` in float32 (CPU timing runs) where the registry names one.
+
+Determinism: on the CPU a seed gives the same weights on every run. On a CUDA GPU it does not
+quite: the scatter-adds of the expert dispatch (`.at[].add`) sum in an order the device's atomics
+decide, so two runs differ in the last bits and drift apart over the steps; the data, tokenizer
+and initial weights are still the seed's.
 """
 
 import contextlib
@@ -158,7 +164,7 @@ def train(model_id: str, log_path=None):
         ce = nn.losses.cross_entropy(logits, y, reduction="mean")
         return ce + tr["balance"] * aux / len(model.model.layers), ce
 
-    opt = optim.AdamW(learning_rate=optim.cosine_decay(tr["lr"], tr["steps"], tr["lr"] * 0.1), weight_decay=0.01)
+    opt = optim.AdamW(learning_rate=schedule(tr), weight_decay=0.01)
     step_fn = nn.value_and_grad(model, loss_fn)
     curve = []
     t0 = time.time()
@@ -178,7 +184,7 @@ def train(model_id: str, log_path=None):
             )
     weights = dict(tree_flatten(model.parameters()))
     outs = {}
-    for variant in (model_id + "-f32", model_id):
+    for variant in variants(model_id):
         vspec = registry.get_spec(variant)
         outs[variant] = save_variant(weights, config, vspec, work, data_digest)
     return dict(
@@ -187,6 +193,20 @@ def train(model_id: str, log_path=None):
         outputs={k: str(v) for k, v in outs.items()},
         tokens_per_step=tr["seq"] * tr["batch"],
     )
+
+
+def schedule(tr):
+    """Cosine decay to a tenth of `lr`, after `warmup` steps of linear warm-up if given."""
+    warm = tr.get("warmup", 0)
+    decay = optim.cosine_decay(tr["lr"], max(1, tr["steps"] - warm), tr["lr"] * 0.1)
+    if not warm:
+        return decay
+    return optim.join_schedules([optim.linear_schedule(tr["lr"] / warm, tr["lr"], warm), decay], [warm])
+
+
+def variants(model_id: str) -> list:
+    """What one training run writes: the float32 variant where the registry has one, then the model."""
+    return [v for v in (model_id + "-f32", model_id) if v in registry.load_registry()]
 
 
 def save_variant(weights, config, spec, work: Path, data_digest: str) -> Path:

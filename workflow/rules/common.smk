@@ -89,12 +89,35 @@ def spec(model):
         raise WorkflowError(str(e))
 
 
+def config_models(section):
+    """Every model a configuration names."""
+    return (section["prefetch_online"]["models"] + section["design"]["parity_models"]
+            + section["routing"]["models"] + section["placement"]["models"]
+            + section["ablations"]["sync"]["models"] + section["ablations"]["wire"]["models"])
+
+
+def trained_base(model):
+    """The model whose training run writes `model`: itself, or the model it is the float32 variant of."""
+    base = model.removesuffix("-f32")
+    return base if base != model and "training" in registry.load_registry().get(base, {}) else model
+
+
+# The models a training run makes (olmoe-trained also writes olmoe-trained-f32).
+TRAINED = sorted({trained_base(m) for m, s in registry.load_registry().items() if "training" in s})
+
+
+def trained_models():
+    return sorted({trained_base(m) for m in config_models(config) if "training" in spec(m)})
+
+
 def check_models():
     """Refuse unknown models and absent real weights before any job runs."""
     for section in (config, SMOKE):
-        for m in (section["prefetch_online"]["models"] + section["design"]["parity_models"]
-                  + section["routing"]["models"] + section["placement"]["models"]
-                  + section["ablations"]["sync"]["models"] + section["ablations"]["wire"]["models"]):
+        po = section["prefetch_online"]
+        for m in po.get("by_model", {}):
+            if m not in po["models"]:
+                raise WorkflowError(f"prefetch_online.by_model: '{m}' is not one of prefetch_online.models {po['models']}")
+        for m in config_models(section):
             s = spec(m)
             if s["kind"] == "real":
                 try:
@@ -107,10 +130,10 @@ check_models()
 
 
 def model_input(model):
-    """A trained model is made by the `train` rule; the others are built by the engine."""
+    """A trained model is made by the `train_model` rule; the others are built by the engine."""
     s = spec(model)
     if "training" in s:
-        return [f"resources/models/{model}/titan-build.json"]
+        return [f"resources/models/{trained_base(model)}/titan-build.json"]
     return []
 
 
@@ -158,8 +181,14 @@ def fitted_files(model, psets, names, depths, po):
     )
 
 
+def online(out, model):
+    """Gate C's settings for one model: the sweep, with the model's own `by_model` entries."""
+    po = settings(out)["prefetch_online"]
+    return {**{k: v for k, v in po.items() if k != "by_model"}, **po.get("by_model", {}).get(model, {})}
+
+
 def fitted_inputs(wc):
-    po = settings(wc.out)["prefetch_online"]
+    po = online(wc.out, wc.model)
     return fitted_files(wc.model, [wc.pset], po["predictors"], po["depths"], po) + model_input(wc.model)
 
 

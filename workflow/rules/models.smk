@@ -1,11 +1,19 @@
 rule train:
+    # `snakemake train`: every trained model this configuration uses.
+    input:
+        [f"resources/models/{m}/titan-build.json" for m in trained_models()],
+
+
+rule train_model:
+    # One training run writes the model and its float32 variant, if it has one (model_input).
     output:
-        "resources/models/olmoe-trained/titan-build.json",
-        "resources/models/olmoe-trained-f32/titan-build.json",
+        "resources/models/{model}/titan-build.json",
+    wildcard_constraints:
+        model="|".join(TRAINED),
     log:
-        "results/logs/train.log",
+        "results/logs/train-{model}.log",
     benchmark:
-        "results/benchmarks/train.tsv"
+        "results/benchmarks/train-{model}.tsv"
     threads: 2
     resources:
         timing=1,
@@ -14,7 +22,7 @@ rule train:
     params:
         python=PYTHON,
     shell:
-        "{params.python} -m harness train olmoe-trained > {log} 2>&1"
+        "{params.python} -m harness train {wildcards.model} > {log} 2>&1"
 
 
 rule trace:

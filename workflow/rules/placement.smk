@@ -1,7 +1,7 @@
 rule placement_sim:
     input:
         lambda wc: [
-            trace_file(wc.model, pset, split, settings(wc.out)["prefetch_online"]["fit_tokens"])
+            trace_file(wc.model, pset, split, online(wc.out, wc.model)["fit_tokens"])
             for pset, split in (("general", "fit"), ("general", "eval"), ("code", "eval"))
         ],
     output:
@@ -12,14 +12,14 @@ rule placement_sim:
         "../envs/titan.yaml"
     params:
         settings=lambda wc: settings(wc.out)["placement"],
-        fit_tokens=lambda wc: settings(wc.out)["prefetch_online"]["fit_tokens"],
+        fit_tokens=lambda wc: online(wc.out, wc.model)["fit_tokens"],
     script:
         "../scripts/gate_f.py"
 
 
 rule multinode:
     input:
-        lambda wc: trace_file(wc.model, "general", "fit", settings(wc.out)["prefetch_online"]["fit_tokens"]),
+        lambda wc: trace_file(wc.model, "general", "fit", online(wc.out, wc.model)["fit_tokens"]),
     output:
         protected(f"{{out}}/raw/F/multinode/{RUN}-{{model}}.jsonl"),
     log:
@@ -33,7 +33,7 @@ rule multinode:
         "../envs/titan.yaml"
     params:
         settings=lambda wc: settings(wc.out)["placement"],
-        fit_tokens=lambda wc: settings(wc.out)["prefetch_online"]["fit_tokens"],
+        fit_tokens=lambda wc: online(wc.out, wc.model)["fit_tokens"],
     script:
         "../scripts/gate_f.py"
 

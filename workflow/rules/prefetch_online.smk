@@ -7,21 +7,21 @@ rule prefetch_online:
         f"{{out}}/logs/prefetch_online-{RUN}-{{model}}-{{tier}}-{{pset}}.log",
     benchmark:
         f"{{out}}/benchmarks/prefetch_online-{RUN}-{{model}}-{{tier}}-{{pset}}.tsv"
-    threads: lambda wc: settings(wc.out)["prefetch_online"]["readers"]
+    threads: lambda wc: online(wc.out, wc.model)["readers"]
     resources:
         timing=1,
     conda:
         "../envs/titan.yaml"
     params:
-        settings=lambda wc: settings(wc.out)["prefetch_online"],
+        settings=lambda wc: online(wc.out, wc.model),
     script:
         "../scripts/gate_c.py"
 
 
 rule predictor_quality:
     input:
-        fit=lambda wc: trace_file(wc.model, wc.pset, "fit", settings(wc.out)["prefetch_online"]["fit_tokens"]),
-        eval=lambda wc: trace_file(wc.model, wc.pset, "eval", settings(wc.out)["prefetch_online"]["fit_tokens"]),
+        fit=lambda wc: trace_file(wc.model, wc.pset, "fit", online(wc.out, wc.model)["fit_tokens"]),
+        eval=lambda wc: trace_file(wc.model, wc.pset, "eval", online(wc.out, wc.model)["fit_tokens"]),
         fitted=fitted_inputs,
     output:
         protected(f"{{out}}/raw/C/predictor_quality/{RUN}-{{model}}-{{pset}}.jsonl"),
@@ -34,7 +34,7 @@ rule predictor_quality:
     conda:
         "../envs/titan.yaml"
     params:
-        settings=lambda wc: settings(wc.out)["prefetch_online"],
+        settings=lambda wc: online(wc.out, wc.model),
     script:
         "../scripts/quality.py"
 
@@ -42,12 +42,12 @@ rule predictor_quality:
 rule routing:
     input:
         lambda wc: [
-            trace_file(wc.model, pset, split, settings(wc.out)["prefetch_online"]["fit_tokens"])
+            trace_file(wc.model, pset, split, online(wc.out, wc.model)["fit_tokens"])
             for pset in ("general", "code")
             for split in ("fit", "eval")
         ]
         + fitted_files(wc.model, ["general", "code"], ["transition", "probe"], ROUTING_DEPTHS,
-                       settings(wc.out)["prefetch_online"]),
+                       online(wc.out, wc.model)),
     output:
         protected(f"{{out}}/raw/C/routing/{RUN}-{{model}}.jsonl"),
     log:
@@ -59,7 +59,7 @@ rule routing:
     conda:
         "../envs/titan.yaml"
     params:
-        settings=lambda wc: settings(wc.out)["prefetch_online"],
+        settings=lambda wc: online(wc.out, wc.model),
         depths=ROUTING_DEPTHS,
     script:
         "../scripts/routing.py"
@@ -74,7 +74,7 @@ rule sync_ablation:
         f"{{out}}/logs/sync_ablation-{RUN}-{{model}}-{{pset}}.log",
     benchmark:
         f"{{out}}/benchmarks/sync_ablation-{RUN}-{{model}}-{{pset}}.tsv"
-    threads: lambda wc: settings(wc.out)["prefetch_online"]["readers"]
+    threads: lambda wc: online(wc.out, wc.model)["readers"]
     resources:
         timing=1,
     conda:

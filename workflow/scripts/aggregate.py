@@ -75,13 +75,19 @@ def online_rows(recs):
     rows = []
     for r in recs:
         res = r["result"]
+        # Runs before confidence floors existed ran without one: min_prob 0.
         rows.append(
-            dict(**machine_cols(r), **{k: v for k, v in res.items()}, started_utc=r["started_utc"], run_id=r["run_id"])
+            dict(
+                **machine_cols(r),
+                **{"min_prob": 0.0, **res},
+                started_utc=r["started_utc"],
+                run_id=r["run_id"],
+            )
         )
     return rows
 
 
-ONLINE_KEYS = MACHINE + ["model", "tier", "prompt_set", "slots", "predictor", "depth"]
+ONLINE_KEYS = MACHINE + ["model", "tier", "prompt_set", "slots", "predictor", "depth", "min_prob"]
 
 
 def prefetch_table(recs):
@@ -155,12 +161,21 @@ def routing_table(recs):
 
 
 def train_table(recs):
-    cols = ["model", "step", "loss", "cross_entropy", "seconds", "run_id"]
+    """Every trained model's latest training run, step by step."""
+    cols = ["model", "device", "chip", "step", "loss", "cross_entropy", "seconds", "run_id"]
     if not recs:
         return pd.DataFrame(columns=cols)
-    last = max(recs, key=lambda r: (r["started_utc"], r["run_id"]))["run_id"]
-    rows = [dict(model=r["config"]["model"], run_id=r["run_id"], **r["result"]) for r in recs if r["run_id"] == last]
-    return pd.DataFrame(rows).sort_values("step").reindex(columns=cols).reset_index(drop=True)
+    last = {}
+    for r in recs:
+        m = r["config"]["model"]
+        if m not in last or (r["started_utc"], r["run_id"]) > last[m]:
+            last[m] = (r["started_utc"], r["run_id"])
+    rows = [
+        dict(model=r["config"]["model"], **machine_cols(r), run_id=r["run_id"], **r["result"])
+        for r in recs
+        if r["run_id"] == last[r["config"]["model"]][1]
+    ]
+    return pd.DataFrame(rows).sort_values(["model", "step"]).reindex(columns=cols).reset_index(drop=True)
 
 
 def placement_sim_table(recs):
@@ -609,7 +624,7 @@ def build(raw_root, figdir):
         "miss_breakdown": miss_table(of("C", "prefetch_online")),
         "predictor_quality": quality_table(of("C", "predictor_quality")),
         "routing": routing_table(of("C", "routing")),
-        "train_loss": train_table(of("train", "olmoe_trained")),
+        "train_loss": train_table([r for r in recs if r["gate"] == "train"]),
         "placement_sim": placement_sim_table(of("F", "placement_sim")),
         "multinode": multinode_table(of("F", "multinode")),
         "sync_ablation": sync_table(of("C", "sync_ablation")),

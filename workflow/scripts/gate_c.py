@@ -25,6 +25,7 @@ run_gate(
         fit_tokens=s["fit_tokens"],
         size=s["predict_size"],
         repeats=s.get("repeats", 3),
+        min_probs=s.get("min_probs", [0.0]),
         progress=lambda r: print(r, flush=True),
     ),
 )

@@ -124,9 +124,9 @@ def _online(figdir, name, column, ylabel, title):
         best = None
         if not fitted.empty:
             least = fitted[fitted["slots"] == fitted["slots"].min()]
-            best = least.groupby(["predictor", "depth"])["tok_s"].mean().idxmax()
-        for (pset, pred, depth), h in engine.groupby(["prompt_set", "predictor", "depth"]):
-            if pred in FITTED and (pred, depth) != best:
+            best = least.groupby(["predictor", "depth", "min_prob"])["tok_s"].mean().idxmax()
+        for (pset, pred, depth, q), h in engine.groupby(["prompt_set", "predictor", "depth", "min_prob"]):
+            if pred in FITTED and (pred, depth, q) != best:
                 continue
             if pred == "oracle" and depth != engine.loc[engine["predictor"] == "oracle", "depth"].min():
                 continue
@@ -141,7 +141,8 @@ def _online(figdir, name, column, ylabel, title):
                 ]
             ).drop_duplicates("slots")
             h = h.sort_values("slots")
-            label = f"{pred} d={depth} ({pset})" if pred in FITTED or pred == "oracle" else f"{pred} ({pset})"
+            label = f"{pred} d={depth}" + (f" q={q:g}" if q else "") if pred in FITTED or pred == "oracle" else pred
+            label += f" ({pset})"
             ax.plot(
                 h["slots"],
                 h[column],
@@ -271,13 +272,16 @@ def train_loss(figdir):
     df = _read(figdir, "train_loss")
     if df.empty:
         return _empty(figdir, "train_loss", "training run")
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot(df["step"], df["cross_entropy"], label="cross-entropy")
-    ax.plot(df["step"], df["loss"], label="with load-balancing loss", alpha=0.6)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title(f"Training {df['model'].iloc[0]}")
-    ax.legend()
+    models = list(dict.fromkeys(df["model"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3.6), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        d = df[df["model"] == m]
+        ax.plot(d["step"], d["cross_entropy"], label="cross-entropy")
+        ax.plot(d["step"], d["loss"], label="with load-balancing loss", alpha=0.6)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats)")
+        ax.set_title(f"Training {m} ({d['chip'].iloc[0]}, {d['seconds'].max() / 60:.0f} min)")
+        ax.legend()
     fig.tight_layout()
     _save(fig, figdir, "train_loss")
 
