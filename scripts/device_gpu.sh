@@ -9,13 +9,17 @@
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
-#   run id is $RUN, default gpu-<commit>; rerunning resumes it)
+#   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
+#   its training on the GPU, routing, predictor quality and gate C sweep; about 2 minutes of training)
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
-# untracked files between calls) and OUTDIR/log.txt.
+# untracked files between calls) and OUTDIR/log.txt. BUDGET=SECONDS stops a step in time for the
+# collection to run before a caller's own time limit does (a step cut short is resumed by the
+# next call: Snakemake keeps what finished).
 set -uo pipefail
 out=${1:?usage: scripts/device_gpu.sh OUTDIR STEP...}
 shift
 mkdir -p "$out"
+exec > >(tee -a "$out/log.txt") 2>&1
 py=${PYTHON:-python3}
 marker=${MARKER:-$(mktemp)}
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -24,9 +28,15 @@ collect() {
   tar czf "$out/raw.tgz" -T "$out/new-raw.txt" 2>/dev/null
   log "collected $(wc -l < "$out/new-raw.txt") raw files"
 }
+deadline=$(($(date +%s) + ${BUDGET:-1000000}))
 run() {  # a failed step is logged and the next one still runs
+  local left=$((deadline - $(date +%s) - 20))
+  if ((left <= 0)); then
+    log "skipped, BUDGET spent: $*"
+    return
+  fi
   log "$*"
-  "$@" || log "FAILED ($?): $*"
+  timeout -k 10 "$left" "$@" || log "FAILED ($?): $*"
   collect
 }
 full=olmoe-1b-7b-shape
@@ -49,6 +59,9 @@ for step in "$@"; do
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
             run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
               results/raw/C/prefetch_online/$r-$full-page_cache-{general,code}.jsonl ;;
+    wide) r=${RUN:-gpu-${TITAN_COMMIT:0:12}} w=olmoe-wide-trained
+          run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
+            results/raw/C/{predictor_quality/$r-$w-{general,code},routing/$r-$w,prefetch_online/$r-$w-page_cache-{general,code}}.jsonl ;;
     *) log "unknown step $step" ;;
   esac
 done

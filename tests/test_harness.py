@@ -281,3 +281,42 @@ def test_provenance_names_no_path_of_the_machine(monkeypatch):
     assert provenance.portable_command(["cat", os.path.join(home, "notes.txt")]) == "cat ~/notes.txt"
     rec = provenance.stamp({"x": 1}, command=[main, "decode"], seed=0)
     assert str(ROOT) not in json.dumps(rec) and rec["command"] == "python -m engine decode"
+
+
+def test_gate_c_runs_fitted_predictors_at_every_floor_and_the_others_without():
+    from harness import online
+
+    c = online.configs(64, [8, 16, 64], ["none", "probe", "oracle"], [1, 2], [0.0, 0.25])
+    assert c[:2] == [(64, "mlx-lm", 0, 0.0), (64, "none", 0, 0.0)]
+    assert (8, "probe", 2, 0.25) in c and (16, "probe", 1, 0.0) in c
+    assert (8, "oracle", 2, 0.0) in c and (8, "oracle", 2, 0.25) not in c
+    assert len(c) == len(set(c)) == 2 + 2 * (1 + 2 * 2 + 2)  # S = E only as the ceiling
+
+
+def test_a_run_without_a_floor_joins_the_rows_at_floor_zero(tmp_path):
+    """Gate C records before confidence floors have no min_prob: they ran at 0, so a newer run
+    of the same configuration replaces them in the table rather than standing beside them."""
+    fake_run(tmp_path)
+    fake_run(tmp_path, min_prob=0.0)
+    fake_run(tmp_path, min_prob=0.25)
+    df = aggregate.prefetch_table(rawlog.read([tmp_path]))
+    assert sorted(df["min_prob"].unique()) == [0.0, 0.25]
+    assert list(df[df["min_prob"] == 0.0]["runs"]) == [2, 2]
+
+
+def test_every_trained_model_has_its_latest_curve(tmp_path):
+    for model, steps in (("a", 3), ("a", 2), ("b", 4)):
+        rawlog.write_run(
+            "train",
+            model,
+            [dict(step=i, loss=1.0, cross_entropy=1.0, seconds=float(i)) for i in range(steps)],
+            config={"model": model},
+            seed=0,
+            started=provenance.utc_now(),
+            root=tmp_path,
+            command="test",
+            model=model,
+            revision=None,
+        )
+    df = aggregate.train_table(rawlog.read([tmp_path]))
+    assert df.groupby("model").size().to_dict() == {"a": 2, "b": 4}

@@ -2,6 +2,7 @@
 the registry, and an engine that stays bit-exact on it at S = E/4 (a 3-step training run
 through the same code path stands in for the 20-minute one)."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import yaml
@@ -68,3 +69,36 @@ def test_untrained_model_says_how_to_train(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_RESOURCES", str(tmp_path))
     with pytest.raises(registry.RegistryError, match="python -m engine train olmoe-trained"):
         registry.model_dir("olmoe-trained-f32")
+
+
+def test_warm_up_then_cosine_decay():
+    s = train.schedule(dict(lr=1e-3, steps=10, warmup=4))
+    lrs = [float(s(mx.array(i))) for i in range(11)]
+    assert lrs[:5] == sorted(lrs[:5]) and lrs[0] == pytest.approx(2.5e-4) and lrs[4] == pytest.approx(1e-3)
+    assert lrs[4:] == sorted(lrs[4:], reverse=True) and lrs[10] == pytest.approx(1e-4)
+    assert float(train.schedule(dict(lr=1e-3, steps=10))(mx.array(0))) == pytest.approx(1e-3)
+
+
+def test_any_model_with_a_training_block_trains_and_stays_bit_exact(tmp_path, monkeypatch):
+    """The wide model's recipe at the small model's widths: one variant (no -f32 in the registry),
+    warm-up, the same loader and the same exactness."""
+    cfg = yaml.safe_load(registry.config_path().read_text())
+    wide = cfg["models"]["olmoe-wide-trained"]
+    wide.update(hidden=128, expert_width=64, heads=4, layers=2, vocab=1024)
+    wide["training"] = dict(wide["training"], steps=3, warmup=2, batch=4, seq=32, code_bytes=200_000)
+    (tmp_path / "models.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("TITAN_MODELS", str(tmp_path / "models.yaml"))
+    monkeypatch.setenv("TITAN_RESOURCES", str(tmp_path / "resources"))
+    assert train.variants("olmoe-wide-trained") == ["olmoe-wide-trained"]
+    out = train.train("olmoe-wide-trained")
+    assert list(out["outputs"]) == ["olmoe-wide-trained"] and len(out["curve"]) == 3
+    model, tok, spec = load_reference("olmoe-wide-trained")
+    ids = tok.encode("import os\n")
+    tokens, _, ref = decode(model, ids, 6, keep_logits=True)
+    eng = load("olmoe-wide-trained", EngineConfig(slots=16))
+    try:
+        _, recs, got = decode(eng.model, ids, 6, forced=tokens, keep_logits=True)
+    finally:
+        eng.close()
+    assert sum(r["misses"] for r in recs) > 0
+    assert max_abs_diff(ref, got) == 0.0

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import ROOT, job_stats
 
 
@@ -80,3 +81,27 @@ def test_a_complete_run_says_so_and_only_remakes_its_figures():
     finally:
         for path in made:
             path.unlink()
+
+
+def test_a_models_own_sweep_reaches_its_jobs_only():
+    """gpu.yaml sweeps olmoe-wide-trained at depths 1 to 3 and more fit tokens (by_model); the
+    full-size model keeps the common sweep, and the trained models are trained by their own jobs."""
+    r = snakemake("-n", "--profile", "profiles/gpu", "gate_c", "--config", "run=sweep")
+    assert r.returncode == 0, r.stderr
+    outs = " ".join(planned_outputs(r.stdout))
+    assert "resources/predictors/olmoe-wide-trained/general-probe-d3-m8-t32.npz" in outs
+    assert "resources/predictors/olmoe-1b-7b-shape/general-probe-d1-m8-t16.npz" in outs
+    assert "olmoe-1b-7b-shape/general-probe-d2" not in outs
+    assert "resources/models/olmoe-wide-trained/titan-build.json" in outs
+    assert "resources/models/olmoe-trained/titan-build.json" in outs
+    assert "olmoe-trained-f32/titan-build.json" not in outs  # written by olmoe-trained's run
+
+
+def test_a_sweep_for_a_model_not_swept_is_refused_by_name(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    merged = yaml.safe_load((ROOT / "workflow" / "config" / "default.yaml").read_text())
+    merged["prefetch_online"]["by_model"] = {"olmoe-tiny-typo": {"slots": [8]}}
+    cfg.write_text(yaml.safe_dump(merged))
+    r = snakemake("-n", "gate_c", "--configfile", str(cfg))
+    assert r.returncode != 0
+    assert "prefetch_online.by_model: 'olmoe-tiny-typo' is not one of prefetch_online.models" in r.stdout + r.stderr
