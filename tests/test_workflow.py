@@ -86,7 +86,7 @@ def test_a_complete_run_says_so_and_only_remakes_its_figures():
 def test_a_models_own_sweep_reaches_its_jobs_only():
     """gpu.yaml sweeps olmoe-wide-trained at depths 1 to 3 and more fit tokens (by_model); the
     full-size model keeps the common sweep, and the trained models are trained by their own jobs."""
-    r = snakemake("-n", "--profile", "profiles/gpu", "gate_c", "--config", "run=sweep")
+    r = snakemake("-n", "--forceall", "--profile", "profiles/gpu", "gate_c", "--config", "run=sweep")
     assert r.returncode == 0, r.stderr
     outs = " ".join(planned_outputs(r.stdout))
     assert "resources/predictors/olmoe-wide-trained/general-probe-d3-m8-t32.npz" in outs
