@@ -320,3 +320,13 @@ def test_every_trained_model_has_its_latest_curve(tmp_path):
         )
     df = aggregate.train_table(rawlog.read([tmp_path]))
     assert df.groupby("model").size().to_dict() == {"a": 2, "b": 4}
+
+
+def test_gate_c_rows_keep_each_install_path_apart(tmp_path):
+    """A run on the pinned path stands beside the copy path's earlier run of the same
+    configuration; a record from before records named the path ran that device's default then."""
+    fake_run(tmp_path)  # no install: a CPU's default then, inplace
+    fake_run(tmp_path, install="inplace")
+    fake_run(tmp_path, install="copy")
+    df = aggregate.prefetch_table(rawlog.read([tmp_path]))
+    assert df.groupby("install")["runs"].max().to_dict() == {"copy": 1, "inplace": 2}

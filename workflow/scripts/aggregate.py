@@ -75,7 +75,11 @@ def online_rows(recs):
     rows = []
     for r in recs:
         res = r["result"]
-        # Runs before confidence floors existed ran without one: min_prob 0.
+        # Runs before confidence floors existed ran without one: min_prob 0. Runs before records
+        # named their install path ran the default of their day: inplace on a CPU, the paper's copy
+        # path on a GPU (engine/device.py before the pinned path); mlx-lm's own rows have none.
+        if res.get("install") is None and res.get("predictor") != "mlx-lm":
+            res = dict(res, install="copy" if r["device"] == "gpu" else "inplace")
         rows.append(
             dict(
                 **machine_cols(r),
@@ -87,14 +91,13 @@ def online_rows(recs):
     return rows
 
 
-ONLINE_KEYS = MACHINE + ["model", "tier", "prompt_set", "slots", "predictor", "depth", "min_prob"]
+ONLINE_KEYS = MACHINE + ["model", "tier", "prompt_set", "slots", "predictor", "depth", "min_prob", "install"]
 
 
 def prefetch_table(recs):
     df = latest(online_rows(recs), ONLINE_KEYS)
     cols = ONLINE_KEYS + [
         "experts",
-        "install",
         "tok_s",
         "tok_s_min",
         "tok_s_max",
@@ -119,7 +122,7 @@ def prefetch_table(recs):
 
 def miss_table(recs):
     df = prefetch_table(recs)
-    keep = MACHINE + ["model", "tier", "prompt_set", "slots"]
+    keep = MACHINE + ["model", "tier", "prompt_set", "slots", "install"]
     split = ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]
     cols = keep + [f"{c}{x}" for c in split for x in ("", "_min", "_max")] + ["misses", "repeats"]
     if df.empty:

@@ -106,6 +106,15 @@ def design(figdir):
     _save(fig, figdir, "design")
 
 
+def _current_install(engine):
+    """(rows of the install path the engine uses by default on that device, the other rows): a GPU
+    panel shows the pinned path, with the copy path it replaced as demand loading in grey."""
+    if "install" not in engine.columns or engine["install"].nunique() < 2:
+        return engine, engine.iloc[0:0]
+    current = "pinned" if (engine["install"] == "pinned").any() else "inplace"
+    return engine[engine["install"] == current], engine[engine["install"] != current]
+
+
 def _online(figdir, name, column, ylabel, title):
     df = _read(figdir, "prefetch_online")
     if df.empty:
@@ -117,7 +126,17 @@ def _online(figdir, name, column, ylabel, title):
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
     for ax, key in zip(axes.flat, panels):
         g = df[(df["machine"] == key[0]) & (df["model"] == key[1]) & (df["tier"] == key[2])]
-        engine = g[g["predictor"] != "mlx-lm"]
+        engine, earlier = _current_install(g[g["predictor"] != "mlx-lm"])
+        for pset, h in earlier[earlier["predictor"] == "none"].groupby("prompt_set"):
+            h = h.sort_values("slots")
+            ax.plot(
+                h["slots"],
+                h[column],
+                linestyle=":",
+                marker=".",
+                color="0.6",
+                label=f"none, {h['install'].iloc[0]} path, earlier ({pset})",
+            )
         # Demand loading, the oracle and the best fitted predictor (by tok/s at the fewest slots):
         # the comparison the gate is about, one line each per prompt set.
         fitted = engine[engine["predictor"].isin(FITTED) & (engine["slots"] < engine["experts"])]
@@ -173,10 +192,10 @@ def miss_breakdown(figdir):
     df = _read(figdir, "miss_breakdown")
     if df.empty:
         return _empty(figdir, "miss_breakdown", "demand misses")
-    df = df.groupby(["device", "model", "tier", "slots"], as_index=False)[
+    df = df.groupby(["device", "model", "tier", "slots", "install"], as_index=False)[
         ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]
     ].mean()
-    labels = [f"{r.model}, {r.tier}, S={r.slots} ({r.device})" for r in df.itertuples()]
+    labels = [f"{r.model}, {r.tier}, S={r.slots}, {r.install} ({r.device})" for r in df.itertuples()]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(df) + 1.4))
     y = range(len(df))
     left = 0
