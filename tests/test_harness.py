@@ -330,3 +330,32 @@ def test_gate_c_rows_keep_each_install_path_apart(tmp_path):
     fake_run(tmp_path, install="copy")
     df = aggregate.prefetch_table(rawlog.read([tmp_path]))
     assert df.groupby("install")["runs"].max().to_dict() == {"copy": 1, "inplace": 2}
+
+
+def test_two_runs_verdicts_are_compared_each_from_its_own_records(tmp_path):
+    """compare_runs: run 1 as committed, and a 'second run' that is its copy with one stall made
+    ten times worse: exactly the claim that stall decides changes, and nothing else."""
+    import compare_runs
+
+    first = "c8af1fee9518-host-443118812e"
+    raw = tmp_path / "raw"
+    for f in (ROOT / "results" / "raw").rglob("*.jsonl"):
+        dst = raw / f.relative_to(ROOT / "results" / "raw")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(f)
+        if compare_runs.of_run(f.name, first):
+            lines = []
+            for line in f.read_text().splitlines():
+                rec = json.loads(line)
+                rec["run_id"] = rec["run_id"].replace(first, "second")
+                res = rec["result"]
+                if "tiny-f32-code" in f.name and res.get("sync") == "batched" and res.get("install") == "copy":
+                    for k in ("stall_ms_per_token", "stall_ms_per_token_min", "stall_ms_per_token_max"):
+                        res[k] *= 10
+                lines.append(json.dumps(rec))
+            (dst.parent / f.name.replace(first, "second")).write_text("\n".join(lines) + "\n")
+    df = compare_runs.compare(raw, first, "second")
+    assert len(df) > 10
+    changed = df[~df["same"]]
+    assert list(changed["claim"]) == ["stall halved by batching (code; olmoe-tiny-f32, copy; batched / per-miss)"]
+    assert changed["direction_a"].iloc[0] == "yes" and changed["direction_b"].iloc[0] == "no"

@@ -1,0 +1,87 @@
+"""Do two runs of the workflow reach the same verdicts? Each run's claims table is made from the raw
+logs as they stood without the other run (so that, for every configuration both measured, each
+table is that run's own), and the verdicts of the claims the runs measured are compared.
+
+    python workflow/scripts/compare_runs.py RUN_A RUN_B [--raw results/raw] [--csv OUT.csv]
+
+Claims made only from records neither run wrote (the benches, another machine) are left out: they
+agree by construction.
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aggregate  # noqa: E402
+
+VERDICTS = ["direction", "within_tolerance"]
+
+
+def of_run(name: str, run: str) -> bool:
+    return name == f"{run}.jsonl" or name.startswith(f"{run}-")
+
+
+def claims_without(raw: Path, other: str, work: Path) -> pd.DataFrame:
+    """The claims table from every raw file under `raw` except the other run's (linked, not copied)."""
+    root = work / "raw"
+    for f in sorted(raw.rglob("*.jsonl")):
+        if of_run(f.name, other):
+            continue
+        dst = root / f.relative_to(raw)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(f.resolve())
+    return aggregate.build(root, work / "figures")["claims"]
+
+
+def machines_of(raw: Path, run: str) -> set:
+    from harness import rawlog
+
+    files = [f for f in raw.rglob("*.jsonl") if of_run(f.name, run)]
+    if not files:
+        raise SystemExit(f"no raw file of run {run!r} under {raw}")
+    return {f"{r['device']} {aggregate.machine_cols(r)['chip']}" for r in rawlog.read(files)}
+
+
+def compare(raw: Path, run_a: str, run_b: str) -> pd.DataFrame:
+    machines = machines_of(raw, run_a) & machines_of(raw, run_b)
+    with tempfile.TemporaryDirectory() as ta, tempfile.TemporaryDirectory() as tb:
+        a = claims_without(raw, run_b, Path(ta))
+        b = claims_without(raw, run_a, Path(tb))
+    keys = ["claim", "machine"]
+    a = a[a["machine"].isin(machines) & (a["source"] != "tables/bench")]
+    b = b[b["machine"].isin(machines) & (b["source"] != "tables/bench")]
+    df = a[keys + VERDICTS + ["ratio_low", "ratio_high"]].merge(
+        b[keys + VERDICTS + ["ratio_low", "ratio_high"]], on=keys, how="outer", suffixes=("_a", "_b")
+    )
+    df["same"] = (df["direction_a"] == df["direction_b"]) & (df["within_tolerance_a"] == df["within_tolerance_b"])
+    return df.sort_values(keys).reset_index(drop=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_a")
+    ap.add_argument("run_b")
+    ap.add_argument("--raw", default="results/raw", type=Path)
+    ap.add_argument("--csv", type=Path, help="write every compared claim with both verdicts here")
+    a = ap.parse_args(argv)
+    df = compare(a.raw, a.run_a, a.run_b)
+    if a.csv:
+        df.to_csv(a.csv, index=False)
+    for col in VERDICTS:
+        same = (df[f"{col}_a"] == df[f"{col}_b"]).sum()
+        decided = df[f"{col}_a"].isin(["yes", "no", "exact"]).sum()
+        print(f"{col}: {same} of {len(df)} claims the same in both runs ({decided} decided in {a.run_a})")
+    for r in df[~df["same"]].itertuples():
+        print(
+            f"  changed: {r.claim} [{r.machine}]: direction {r.direction_a} -> {r.direction_b}, "
+            f"within tolerance {r.within_tolerance_a} -> {r.within_tolerance_b}"
+        )
+    return df
+
+
+if __name__ == "__main__":
+    main()
