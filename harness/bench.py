@@ -52,6 +52,13 @@ def add_args(p):
         help="throughput: install modes to run each --slots at (default: auto)",
     )
     p.add_argument(
+        "--resident",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="throughput: also decode the whole model resident (mlx-lm and the engine at S = E); "
+        "auto: only where its weights fit in three quarters of this machine's memory",
+    )
+    p.add_argument(
         "--overlap",
         choices=["on", "off", "both"],
         default="on",
@@ -106,8 +113,16 @@ def throughput(a):
     every repetition runs each configuration once, in a rotating order."""
 
     mid = a.model or "olmoe-tiny-f32"
-    ref, tok, spec = registry.load_reference(mid)
-    engines = {"S=E": load(mid, EngineConfig())}
+    resident, why = resident_fits(mid, getattr(a, "resident", "auto"))
+    if not resident and not a.slots:
+        raise SystemExit(f"bench throughput: {why}, and no --slots were given: nothing to measure")
+    if resident:
+        ref, tok, spec = registry.load_reference(mid)
+        engines = {"S=E": load(mid, EngineConfig())}
+    else:
+        print(f"[titan] {mid}: no resident decoding ({why})", file=sys.stderr, flush=True)
+        tok = registry.load(mid, lazy=True)[1]
+        engines = {}
     installs = a.installs or ["auto"]
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for s in a.slots:
@@ -116,7 +131,7 @@ def throughput(a):
                 key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("" if ov else "/serial")
                 engines[key] = load(mid, EngineConfig(slots=s, tier=a.tier, install=inst, overlap=ov))
     ids = tok.encode("The Python language reference describes the syntax and semantics of the language.")
-    models = {"mlx-lm": ref, **{k: e.model for k, e in engines.items()}}
+    models = {**({"mlx-lm": ref} if resident else {}), **{k: e.model for k, e in engines.items()}}
     runs = {k: [] for k in models}
     splits = {k: [] for k in models}
     grown = dict.fromkeys(models, 0)
@@ -147,8 +162,10 @@ def throughput(a):
         tok_s=res,
         tok_s_runs=runs,
         tok_s_spread={k: _spread(v) for k, v in runs.items()},
-        ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"],
-        ratio_vs_resident={k: v / res["S=E"] for k, v in res.items()},
+        resident=resident,
+        resident_note=why,
+        ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"] if resident else None,
+        ratio_vs_resident={k: v / res["S=E"] for k, v in res.items()} if resident else {},
         install=installs_used,
         hit_rate=hit_rate,
         time_split_ms=split,
@@ -160,14 +177,30 @@ def throughput(a):
     for k, v in res.items():
         sp = out["tok_s_spread"][k]
         inst = installs_used.get(k, "")
+        ratio = f"x{out['ratio_vs_resident'][k]:.3f} of S=E" if resident else ""
         print(
-            f"  {k:14s} {v:9.2f} tok/s [{sp['min']:.2f}, {sp['max']:.2f}]  x{out['ratio_vs_resident'][k]:.3f} "
-            f"of S=E  {out['memory_bytes'][k] / 1e6:8.1f} MB  {inst}"
+            f"  {k:14s} {v:9.2f} tok/s [{sp['min']:.2f}, {sp['max']:.2f}]  {ratio}"
+            f"  {out['memory_bytes'][k] / 1e6:8.1f} MB  {inst}"
         )
         if k in split and k not in ("mlx-lm", "S=E"):
             print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in split[k].items()))
-    print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
+    if resident:
+        print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
+    else:
+        print(f"  no resident decoding: {why}")
     return out
+
+
+def resident_fits(model_id: str, choice: str = "auto"):
+    """(whether to decode the whole model resident, why): `auto` does where its weights take at
+    most three quarters of this machine's memory, so that a model offloading exists for (larger
+    than memory) is measured at its --slots instead of swapping."""
+    weights = sum(f.stat().st_size for f in registry.model_dir(model_id).glob("*.safetensors"))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    why = f"weights {weights / 1e9:.1f} GB, memory {memory / 1e9:.1f} GB"
+    if choice == "auto":
+        return weights <= 0.75 * memory, why + (" (fits)" if weights <= 0.75 * memory else ": does not fit")
+    return choice == "yes", why + f" (--resident {choice})"
 
 
 def _expert_batches(num_experts, k, n):

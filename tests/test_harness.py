@@ -359,3 +359,29 @@ def test_two_runs_verdicts_are_compared_each_from_its_own_records(tmp_path):
     changed = df[~df["same"]]
     assert list(changed["claim"]) == ["stall halved by batching (code; olmoe-tiny-f32, copy; batched / per-miss)"]
     assert changed["direction_a"].iloc[0] == "yes" and changed["direction_b"].iloc[0] == "no"
+
+
+def test_a_model_that_does_not_fit_is_measured_at_its_slots_only(capsys):
+    """bench throughput on a model larger than memory (the f32 full-size shape on a 24 GiB
+    machine) decodes at --slots and never resident; `auto` decides from weights and memory."""
+    import argparse
+
+    from harness import bench
+
+    assert bench.resident_fits("olmoe-tiny-f32")[0] is True
+    a = argparse.Namespace(
+        model="olmoe-tiny-f32",
+        slots=[16],
+        installs=None,
+        overlap="on",
+        tier="page_cache",
+        tokens=3,
+        repeats=1,
+        resident="no",
+    )
+    out = bench.throughput(a)
+    assert set(out["tok_s"]) == {"S=16"} and out["resident"] is False
+    assert out["ratio_vs_resident"] == {} and out["ratio_engine_full_vs_mlx_lm"] is None
+    assert "no resident decoding: weights" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="nothing to measure"):
+        bench.throughput(argparse.Namespace(**dict(vars(a), slots=[])))

@@ -277,7 +277,8 @@ def bench_table(recs):
                 figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = sp["min"], sp["max"]
             figs.update({f"x resident[{k}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
             figs.update({f"memory_bytes[{k}]": v for k, v in res.get("memory_bytes", {}).items()})
-            figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
+            if res.get("ratio_engine_full_vs_mlx_lm") is not None:  # None: not decoded resident
+                figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
         elif base["bench"] == "miss":
             figs = {f"per_miss_ms[{k}]": v for k, v in res["per_miss_ms"].items()}
             figs.update({f"copy_split_ms[{k}]": v for k, v in res.get("copy_split_ms", {}).items()})
