@@ -1,6 +1,7 @@
 """Do two runs of the workflow reach the same verdicts? Each run's claims table is made from the raw
-logs as they stood without the other run (so that, for every configuration both measured, each
-table is that run's own), and the verdicts of the claims the runs measured are compared.
+logs as they stood when that run ended, without the other run (so that, for every configuration
+both measured, each table is that run's own, whatever ran later), and the verdicts of the claims
+the runs measured are compared.
 
     python workflow/scripts/compare_runs.py RUN_A RUN_B [--raw results/raw] [--csv OUT.csv]
 
@@ -25,11 +26,22 @@ def of_run(name: str, run: str) -> bool:
     return name == f"{run}.jsonl" or name.startswith(f"{run}-")
 
 
-def claims_without(raw: Path, other: str, work: Path) -> pd.DataFrame:
-    """The claims table from every raw file under `raw` except the other run's (linked, not copied)."""
+def started(files) -> dict:
+    from harness import rawlog
+
+    return {f: min(r["started_utc"] for r in rawlog.read([f])) for f in files}
+
+
+def claims_as_of(raw: Path, run: str, other: str, work: Path) -> pd.DataFrame:
+    """The claims table from the raw files under `raw` that had begun by the time `run` ended,
+    except the other run's (linked, not copied)."""
+    from harness import rawlog
+
+    begun = started(sorted(raw.rglob("*.jsonl")))
+    end = max(r["finished_utc"] for r in rawlog.read([f for f in begun if of_run(f.name, run)]))
     root = work / "raw"
-    for f in sorted(raw.rglob("*.jsonl")):
-        if of_run(f.name, other):
+    for f in sorted(begun):
+        if of_run(f.name, other) or begun[f] > end:
             continue
         dst = root / f.relative_to(raw)
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -49,8 +61,8 @@ def machines_of(raw: Path, run: str) -> set:
 def compare(raw: Path, run_a: str, run_b: str) -> pd.DataFrame:
     machines = machines_of(raw, run_a) & machines_of(raw, run_b)
     with tempfile.TemporaryDirectory() as ta, tempfile.TemporaryDirectory() as tb:
-        a = claims_without(raw, run_b, Path(ta))
-        b = claims_without(raw, run_a, Path(tb))
+        a = claims_as_of(raw, run_a, run_b, Path(ta))
+        b = claims_as_of(raw, run_b, run_a, Path(tb))
     keys = ["claim", "machine"]
     a = a[a["machine"].isin(machines) & (a["source"] != "tables/bench")]
     b = b[b["machine"].isin(machines) & (b["source"] != "tables/bench")]
