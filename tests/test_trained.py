@@ -48,21 +48,27 @@ def test_eval_prompts_are_held_out_of_training():
         assert p["text"] not in code
 
 
+def engine_misses_and_diff(model, tok, model_id, prompt, steps, slots):
+    """(misses, max |dlogit|) of the engine at `slots` against mlx-lm's own decode of `prompt`."""
+    ids = tok.encode(prompt)
+    tokens, _, ref = decode(model, ids, steps, keep_logits=True)
+    eng = load(model_id, EngineConfig(slots=slots))
+    try:
+        _, recs, got = decode(eng.model, ids, steps, forced=tokens, keep_logits=True)
+    finally:
+        eng.close()
+    return sum(r["misses"] for r in recs), max_abs_diff(ref, got)
+
+
 def test_trained_model_loads_and_stays_bit_exact(short_training):
     assert len(short_training["curve"]) == 3
     assert all(np.isfinite(c["loss"]) for c in short_training["curve"])
     for mid, dtype in (("olmoe-trained", "float16"), ("olmoe-trained-f32", "float32")):
         model, tok, spec = load_reference(mid)
         assert str(model.model.norm.weight.dtype).endswith(dtype)
-        ids = tok.encode("def main():\n    return 0")
-        tokens, _, ref = decode(model, ids, 8, keep_logits=True)
-        eng = load(mid, EngineConfig(slots=spec["experts"] // 4))
-        try:
-            _, recs, got = decode(eng.model, ids, 8, forced=tokens, keep_logits=True)
-        finally:
-            eng.close()
-        assert sum(r["misses"] for r in recs) > 0
-        assert max_abs_diff(ref, got) == 0.0
+        misses, diff = engine_misses_and_diff(model, tok, mid, "def main():\n    return 0", 8, spec["experts"] // 4)
+        assert misses > 0
+        assert diff == 0.0
 
 
 def test_untrained_model_says_how_to_train(tmp_path, monkeypatch):
@@ -92,13 +98,7 @@ def test_any_model_with_a_training_block_trains_and_stays_bit_exact(tmp_path, mo
     assert train.variants("olmoe-wide-trained") == ["olmoe-wide-trained"]
     out = train.train("olmoe-wide-trained")
     assert list(out["outputs"]) == ["olmoe-wide-trained"] and len(out["curve"]) == 3
-    model, tok, spec = load_reference("olmoe-wide-trained")
-    ids = tok.encode("import os\n")
-    tokens, _, ref = decode(model, ids, 6, keep_logits=True)
-    eng = load("olmoe-wide-trained", EngineConfig(slots=16))
-    try:
-        _, recs, got = decode(eng.model, ids, 6, forced=tokens, keep_logits=True)
-    finally:
-        eng.close()
-    assert sum(r["misses"] for r in recs) > 0
-    assert max_abs_diff(ref, got) == 0.0
+    model, tok, _ = load_reference("olmoe-wide-trained")
+    misses, diff = engine_misses_and_diff(model, tok, "olmoe-wide-trained", "import os\n", 6, 16)
+    assert misses > 0
+    assert diff == 0.0

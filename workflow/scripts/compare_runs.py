@@ -32,12 +32,11 @@ def started(files) -> dict:
     return {f: min(r["started_utc"] for r in rawlog.read([f])) for f in files}
 
 
-def claims_as_of(raw: Path, run: str, other: str, work: Path) -> pd.DataFrame:
-    """The claims table from the raw files under `raw` that had begun by the time `run` ended,
-    except the other run's (linked, not copied)."""
+def claims_as_of(raw: Path, begun: dict, run: str, other: str, work: Path) -> pd.DataFrame:
+    """The claims table from the raw files under `raw` that had begun (`begun`: file -> first
+    start) by the time `run` ended, except the other run's (linked, not copied)."""
     from harness import rawlog
 
-    begun = started(sorted(raw.rglob("*.jsonl")))
     end = max(r["finished_utc"] for r in rawlog.read([f for f in begun if of_run(f.name, run)]))
     root = work / "raw"
     for f in sorted(begun):
@@ -61,8 +60,9 @@ def machines_of(raw: Path, run: str) -> set:
 def compare(raw: Path, run_a: str, run_b: str) -> pd.DataFrame:
     machines = machines_of(raw, run_a) & machines_of(raw, run_b)
     with tempfile.TemporaryDirectory() as ta, tempfile.TemporaryDirectory() as tb:
-        a = claims_as_of(raw, run_a, run_b, Path(ta))
-        b = claims_as_of(raw, run_b, run_a, Path(tb))
+        begun = started(sorted(raw.rglob("*.jsonl")))
+        a = claims_as_of(raw, begun, run_a, run_b, Path(ta))
+        b = claims_as_of(raw, begun, run_b, run_a, Path(tb))
     keys = ["claim", "machine"]
     a = a[a["machine"].isin(machines) & (a["source"] != "tables/bench")]
     b = b[b["machine"].isin(machines) & (b["source"] != "tables/bench")]
