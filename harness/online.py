@@ -46,6 +46,7 @@ def summarize(acc) -> dict:
         stall_ms_per_token=1e3 * acc["stall_s"] / n,
         late_stall_ms_per_token=1e3 * acc["late_stall_s"] / n,
         sync_ms_per_token=1e3 * acc["sync_s"] / n,
+        predict_ms_per_token=1e3 * acc["predict_s"] / n,
         bytes_read_per_token=acc["bytes_read"] / n,
     )
     total = acc["hits"] + acc["misses"]
@@ -65,6 +66,7 @@ TIMED = (
     "stall_ms_per_token",
     "late_stall_ms_per_token",
     "sync_ms_per_token",
+    "predict_ms_per_token",
     "per_miss_pread_ms",
     "per_miss_array_ms",
     "per_miss_install_ms",

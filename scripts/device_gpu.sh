@@ -10,7 +10,8 @@
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
-#   its training on the GPU, routing, predictor quality and gate C sweep; about 2 minutes of training)
+#   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
+#   PSETS="general" limits it to one prompt set)
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
 # untracked files between calls) and OUTDIR/log.txt. BUDGET=SECONDS stops a step in time for the
 # collection to run before a caller's own time limit does (a step cut short is resumed by the
@@ -40,6 +41,8 @@ run() {  # a failed step is logged and the next one still runs
   collect
 }
 full=olmoe-1b-7b-shape
+# A step that BUDGET stopped leaves Snakemake's lock behind; nothing else runs here, so lift it.
+$py -m snakemake --profile profiles/gpu --unlock > /dev/null 2>&1 || true
 log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for step in "$@"; do
@@ -59,9 +62,12 @@ for step in "$@"; do
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
             run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
               results/raw/C/prefetch_online/$r-$full-page_cache-{general,code}.jsonl ;;
-    wide) r=${RUN:-gpu-${TITAN_COMMIT:0:12}} w=olmoe-wide-trained
+    wide) r=${RUN:-gpu-${TITAN_COMMIT:0:12}} w=olmoe-wide-trained targets=()
+          for s in ${PSETS:-general code}; do  # PSETS: the prompt sets, most wanted first
+            targets+=(results/raw/C/{prefetch_online/$r-$w-page_cache,predictor_quality/$r-$w}-$s.jsonl)
+          done
           run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
-            results/raw/C/{predictor_quality/$r-$w-{general,code},routing/$r-$w,prefetch_online/$r-$w-page_cache-{general,code}}.jsonl ;;
+            "${targets[@]}" results/raw/C/routing/$r-$w.jsonl ;;
     *) log "unknown step $step" ;;
   esac
 done

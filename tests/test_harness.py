@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import yaml
 from conftest import ROOT, job_stats
@@ -385,3 +386,69 @@ def test_a_model_that_does_not_fit_is_measured_at_its_slots_only(capsys):
     assert "no resident decoding: weights" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nothing to measure"):
         bench.throughput(argparse.Namespace(**dict(vars(a), slots=[])))
+
+
+def _gate_c_row(slots, predictor, tok_s, depth=1, min_prob=0.0, **more):
+    return dict(
+        device="gpu", chip="NVIDIA H200", host="host-x", model="olmoe-wide-trained", tier="page_cache",
+        prompt_set="general", slots=slots, predictor=predictor, depth=depth, min_prob=min_prob,
+        install="pinned", experts=64, tok_s=tok_s, tok_s_min=tok_s - 5, tok_s_max=tok_s + 5,
+        sync_ms_per_token=2.0, stall_ms_per_token=1.0, **more,
+    )  # fmt: skip
+
+
+def test_the_answer_figure_takes_the_best_fitted_predictor_at_each_s(tmp_path, monkeypatch):
+    """prediction_pays: at every S below E, demand loading, whichever fitted predictor (any depth,
+    any floor) decoded fastest at that S, and the best oracle depth; a token's time split into
+    the parts its record measured and the rest."""
+    import plotting
+
+    rows = [
+        _gate_c_row(8, "none", 80.0, depth=0),
+        _gate_c_row(8, "probe", 70.0, predict_ms_per_token=3.0),
+        _gate_c_row(8, "transition", 90.0, depth=3, min_prob=0.25),
+        _gate_c_row(8, "oracle", 120.0),
+        _gate_c_row(8, "oracle", 130.0, depth=2),
+        _gate_c_row(16, "none", 140.0, depth=0),
+        _gate_c_row(16, "popularity", 150.0),
+        _gate_c_row(16, "probe", 145.0, depth=2),
+        _gate_c_row(16, "oracle", 170.0, depth=3),
+        _gate_c_row(64, "none", 500.0, depth=0),
+        _gate_c_row(64, "mlx-lm", 400.0, depth=0),
+    ]
+    bars = plotting.answer_rows(pd.DataFrame(rows)).set_index(["slots", "kind"])
+    assert sorted(bars.index.get_level_values("slots").unique()) == [8, 16]  # S = E is no question
+    best = bars.loc[(8, "best fitted")]
+    assert (best["predictor"], best["depth"], best["min_prob"], best["tok_s"]) == ("transition", 3, 0.25, 90.0)
+    assert bars.loc[(16, "best fitted"), "predictor"] == "popularity"
+    assert bars.loc[(8, "oracle"), "depth"] == 2 and bars.loc[(8, "demand"), "tok_s"] == 80.0
+    assert bars.loc[(8, "demand"), "other"] == pytest.approx(1e3 / 80 - 2.0 - 1.0)
+
+    figdir = tmp_path / "figures"
+    (figdir / "tables").mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(figdir / "tables" / "prefetch_online.csv", index=False)
+    monkeypatch.setattr(plotting, "_empty", lambda *a: pytest.fail(f"drew the no-results card: {a}"))
+    plotting.prediction_pays(figdir)
+    assert (figdir / "prediction_pays.png").exists()
+
+
+def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path, monkeypatch):
+    import plotting
+
+    figdir = tmp_path / "figures"
+    (figdir / "tables").mkdir(parents=True)
+    fig = {"memory_bytes[S=16]": 1.2e9, "tok_s[S=16]": 40.0, "tok_s_min[S=16]": 38.0, "tok_s_max[S=16]": 44.0,
+           "memory_bytes[mlx-lm]": 3.9e9, "tok_s[mlx-lm]": 250.0, "ratio engine S=E / mlx-lm": 1.0}  # fmt: skip
+    pd.DataFrame(
+        [
+            dict(device="gpu", chip="NVIDIA H200", host="h", bench="throughput", model="m", figure=k, value=v, runs=1)
+            for k, v in fig.items()
+        ]  # fmt: skip
+    ).to_csv(figdir / "tables" / "bench.csv", index=False)
+    pd.DataFrame({"empty": [True]}).to_csv(figdir / "tables" / "prefetch_online.csv", index=False)
+    got = plotting._bench_memory(figdir).set_index("config")
+    assert got.loc["S=16", ["memory_bytes", "tok_s", "tok_s_min", "tok_s_max"]].tolist() == [1.2e9, 40.0, 38.0, 44.0]
+    assert got.loc["mlx-lm", "tok_s"] == 250.0 and len(got) == 2
+    monkeypatch.setattr(plotting, "_empty", lambda *a: pytest.fail(f"drew the no-results card: {a}"))
+    plotting.memory(figdir)  # gate C has nothing yet: the bench's runs alone make the figure
+    assert (figdir / "throughput_vs_memory.png").exists()

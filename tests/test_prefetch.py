@@ -14,7 +14,7 @@ from engine.models.embedded import sha256_file
 from engine.predict import predictors, prompts, simulate, trace
 from engine.predict.fitting import fitted_predictor
 from engine.predict.predictors import Context
-from engine.runtime.loop import decode
+from engine.runtime.loop import decode, time_split
 from engine.runtime.prefetch import Prefetcher
 from engine.runtime.store import Store, StoreError
 
@@ -49,6 +49,20 @@ def test_copy_install_with_prefetch_bit_identical(reference, fit_traces):
     records, logits = run_with("qwen3moe-tiny", ref, "probe", 1, fit_traces("qwen3moe-tiny"), install="copy")
     assert sum(r["useful"] for r in records) > 0
     assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+def test_a_tokens_time_split_names_the_predictors_host_work(reference, fit_traces):
+    """The probe reads the MoE input back and predicts on the host at every decode layer: that
+    time is its own part of the split (on the H200 it is what a fitted predictor's stall saving
+    is weighed against), and demand loading has none."""
+    ref = reference("qwen3moe-tiny")
+    probe, _ = run_with("qwen3moe-tiny", ref, "probe", 1, fit_traces("qwen3moe-tiny"))
+    demand, _ = run_with("qwen3moe-tiny", ref, "none", 1, fit_traces("qwen3moe-tiny"))
+    assert probe[0]["predict_s"] == 0.0  # the prefill predicts nothing
+    assert all(r["predict_s"] > 0 for r in probe[1:])
+    assert all(r["predict_s"] == 0.0 for r in demand)
+    split = time_split(probe)
+    assert split["predict"] > 0 and split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"))
 
 
 def test_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fit_traces):

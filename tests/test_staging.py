@@ -16,10 +16,11 @@ from conftest import MODELS, run_with
 
 from engine import EngineConfig, device, load, max_abs_diff
 from engine.models.registry import load_reference
+from engine.predict import predictors, trace
 from engine.runtime import staging
 from engine.runtime.loop import decode
 from engine.runtime.moe import ExpertCache
-from engine.runtime.prefetch import NoPrefetch
+from engine.runtime.prefetch import NoPrefetch, Prefetcher
 from engine.runtime.slots import SlotTable
 from engine.runtime.store import TensorSpec
 
@@ -202,6 +203,40 @@ def test_pinned_prefetch_bit_identical(reference, fit_traces, pinned, name, dept
     assert sum(r["useful"] for r in dec) > 0
     if name == "popularity":
         assert sum(r["wasted"] for r in dec) > 0
+
+
+class OracleAndMore(predictors.Oracle):
+    """The next layer's true experts first, then two it will not use: once the true ones are
+    installed at S = top_k, every slot holds an expert the layer needs."""
+
+    def predict(self, ctx):
+        true = super().predict(ctx)
+        more = [e for e in range(len(true) + 2) if e not in true][:2]
+        return np.concatenate([true, np.array(more, np.int64)]) if len(true) else true
+
+
+@pytest.mark.parametrize("install", ["pinned", "copy"])
+def test_prefetch_with_no_slot_to_spare_is_exact(reference, pinned, install):
+    """S = top_k with a prefetch that names more than the layer uses. Unlike `inplace` (whose
+    reads need a slot to start), these paths read into staging first, so an arrival may find
+    every slot held by an expert this layer needs; it is dropped at the drain and counted as
+    wasted, and decoding goes on (on the H200 it once stopped: "every resident expert is
+    protected")."""
+    ref = reference("qwen3moe-tiny")
+    top_k = MODELS["qwen3moe-tiny"]["top_k"]
+    model, _, _ = load_reference("qwen3moe-tiny")
+    oracle = OracleAndMore(depth=1, size=top_k)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=top_k, install=install), prefetcher=Prefetcher(oracle, 1))
+    try:
+        oracle.bind(trace.record(model, ref["ids"], len(ref["tokens"]) - 1)["experts"])
+        _, records, logits = decode(
+            eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True
+        )
+    finally:
+        eng.close()
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    dec = records[1:]
+    assert sum(r["useful"] for r in dec) > 0 and sum(r["wasted"] for r in dec) > 0
 
 
 def _scribbling(monkeypatch):

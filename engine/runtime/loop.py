@@ -107,7 +107,7 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
 
 
 COUNTS = ("hits", "misses", "issued", "useful", "wasted", "late", "cancelled")
-SECONDS = ("stall_s", "pread_s", "array_s", "install_s", "late_stall_s", "sync_s")
+SECONDS = ("stall_s", "pread_s", "array_s", "install_s", "late_stall_s", "sync_s", "predict_s")
 
 
 def totals(records) -> dict:
@@ -148,19 +148,21 @@ def summarize(records) -> dict:
         if t.get(k) is not None:
             out[k] = t[k]
     out["sync_s_per_token"] = t["sync_s"] / n
+    out["predict_s_per_token"] = t["predict_s"] / n
     if t["misses"]:
         for k in ("pread_s", "array_s", "install_s", "stall_s"):
             out[f"per_miss_{k[:-2]}_ms"] = 1e3 * t[k] / t["misses"]
     return out
 
 
-SPLIT = ("sync_s", "stall_s", "array_s", "install_s")
+SPLIT = ("sync_s", "stall_s", "array_s", "install_s", "predict_s")
 
 
 def time_split(records) -> dict:
     """Where a decode token's time goes, in ms per token: waiting at the host synchronisations
     (the device's compute up to each MoE layer, and the synchronisation itself), waiting for reads,
-    making arrays or enqueueing copy kernels, installs, and the rest (the host building the graph)."""
+    making arrays or enqueueing copy kernels, installs, the predictor's host work (reading the MoE
+    input back, predicting and issuing the reads), and the rest (the host building the graph)."""
     t = totals(records)
     if not t["tokens"]:
         return {}

@@ -38,6 +38,7 @@ class StepStats:
     cancelled: int = 0  # wasted prefetches cancelled before their read began
     late_stall_s: float = 0.0  # the part of stall_s spent waiting on prefetches
     sync_s: float = 0.0  # waiting at the host synchronisations for the device (its compute included)
+    predict_s: float = 0.0  # the predictor's host work: reading the MoE input back, predicting, issuing
 
     def reset(self):
         self.__init__()
@@ -231,23 +232,35 @@ class ExpertCache:
         st.late_stall_s += drained.late_stall_s
         table.bytes_read += len(read) * nbytes
         st.bytes_read += len(read) * nbytes
+        placed, slots = [], []
+        if table.install_mode in ("copy", "pinned") and drained.arrived:
+            # These paths read into host records before a slot is chosen, so an arrival this layer
+            # does not use may find every slot held by one it does (S = top_k): it is not placed
+            # (already counted wasted). The used ones go first so that none is left out.
+            t0 = time.perf_counter()
+            for f in sorted(drained.arrived, key=lambda f: f.expert not in need):
+                try:
+                    slots.append(table.claim(f.expert, protected=need))
+                    placed.append(f)
+                except RuntimeError:
+                    if f.expert in need:
+                        raise
+                    self._free(table, f)
+            st.install_s += time.perf_counter() - t0
         if table.install_mode == "copy":
-            for f in drained.arrived:
+            for f, slot in zip(placed, slots):
                 t0 = time.perf_counter()
                 arrays = records_to_mx(f.dest.record[None], table.tensors, self.one_array)[0]
                 t1 = time.perf_counter()
-                table.install_arrays(table.claim(f.expert, protected=need), arrays)
+                table.install_arrays(slot, arrays)
                 st.array_s += t1 - t0
                 st.install_s += time.perf_counter() - t1
-        elif table.install_mode == "pinned" and drained.arrived:
-            t0 = time.perf_counter()
-            slots = [table.claim(f.expert, protected=need) for f in drained.arrived]
+        elif table.install_mode == "pinned" and placed:
             t1 = time.perf_counter()
             for b in range(0, len(slots), staging.BATCH):
-                batch = drained.arrived[b : b + staging.BATCH]
+                batch = placed[b : b + staging.BATCH]
                 table.install_batch(slots[b : b + staging.BATCH], self.staging.copy([f.dest.staged for f in batch]))
             st.array_s += time.perf_counter() - t1
-            st.install_s += t1 - t0
         if drained.failed:
             raise drained.failed[0].future.exception()
 

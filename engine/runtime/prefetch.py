@@ -93,6 +93,13 @@ class Prefetcher:
     def predict_and_issue(self, layer, experts, hidden, cache):
         if cache.rows != 1:
             return  # prefill: one call over the whole prompt; nothing ahead to overlap
+        t0 = time.perf_counter()
+        try:
+            self._predict_and_issue(layer, experts, hidden, cache)
+        finally:
+            cache.stats.predict_s += time.perf_counter() - t0
+
+    def _predict_and_issue(self, layer, experts, hidden, cache):
         target, offset = target_of(layer, self.depth, len(cache.tables))
         h = None
         if self.predictor.needs_hidden and hidden is not None:

@@ -11,6 +11,7 @@ rule plots:
         report("{figdir}/train_loss.png", caption="../report/train_loss.rst", category="Routing"),
         report("{figdir}/placement.png", caption="../report/placement.rst", category="Gate F"),
         report("{figdir}/throughput_vs_memory.png", caption="../report/throughput_vs_memory.rst", category="Gate C"),
+        report("{figdir}/prediction_pays.png", caption="../report/prediction_pays.rst", category="Gate C"),
         expand("{{figdir}}/{f}.pdf", f=FIGURES),
     log:
         "results/logs/plots/{figdir}.log",

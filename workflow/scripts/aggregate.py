@@ -105,6 +105,8 @@ def prefetch_table(recs):
         "stall_ms_per_token_min",
         "stall_ms_per_token_max",
         "late_stall_ms_per_token",
+        "sync_ms_per_token",
+        "predict_ms_per_token",
         "hit_rate",
         "issued",
         "useful",

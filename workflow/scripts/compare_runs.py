@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness import rawlog
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aggregate  # noqa: E402
 
@@ -26,21 +28,13 @@ def of_run(name: str, run: str) -> bool:
     return name == f"{run}.jsonl" or name.startswith(f"{run}-")
 
 
-def started(files) -> dict:
-    from harness import rawlog
-
-    return {f: min(r["started_utc"] for r in rawlog.read([f])) for f in files}
-
-
-def claims_as_of(raw: Path, begun: dict, run: str, other: str, work: Path) -> pd.DataFrame:
-    """The claims table from the raw files under `raw` that had begun (`begun`: file -> first
-    start) by the time `run` ended, except the other run's (linked, not copied)."""
-    from harness import rawlog
-
-    end = max(r["finished_utc"] for r in rawlog.read([f for f in begun if of_run(f.name, run)]))
+def claims_as_of(raw: Path, records: dict, run: str, other: str, work: Path) -> pd.DataFrame:
+    """The claims table from the raw files under `raw` (`records`: file -> its records) that had
+    begun by the time `run` ended, except the other run's (linked, not copied)."""
+    end = max(r["finished_utc"] for f, recs in records.items() if of_run(f.name, run) for r in recs)
     root = work / "raw"
-    for f in sorted(begun):
-        if of_run(f.name, other) or begun[f] > end:
+    for f, recs in sorted(records.items()):
+        if of_run(f.name, other) or min(r["started_utc"] for r in recs) > end:
             continue
         dst = root / f.relative_to(raw)
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -48,21 +42,19 @@ def claims_as_of(raw: Path, begun: dict, run: str, other: str, work: Path) -> pd
     return aggregate.build(root, work / "figures")["claims"]
 
 
-def machines_of(raw: Path, run: str) -> set:
-    from harness import rawlog
-
-    files = [f for f in raw.rglob("*.jsonl") if of_run(f.name, run)]
-    if not files:
+def machines_of(raw: Path, records: dict, run: str) -> set:
+    recs = [r for f, rs in records.items() if of_run(f.name, run) for r in rs]
+    if not recs:
         raise SystemExit(f"no raw file of run {run!r} under {raw}")
-    return {f"{r['device']} {aggregate.machine_cols(r)['chip']}" for r in rawlog.read(files)}
+    return {f"{r['device']} {aggregate.machine_cols(r)['chip']}" for r in recs}
 
 
 def compare(raw: Path, run_a: str, run_b: str) -> pd.DataFrame:
-    machines = machines_of(raw, run_a) & machines_of(raw, run_b)
+    records = {f: rawlog.read([f]) for f in sorted(raw.rglob("*.jsonl"))}  # each file read once
+    machines = machines_of(raw, records, run_a) & machines_of(raw, records, run_b)
     with tempfile.TemporaryDirectory() as ta, tempfile.TemporaryDirectory() as tb:
-        begun = started(sorted(raw.rglob("*.jsonl")))
-        a = claims_as_of(raw, begun, run_a, run_b, Path(ta))
-        b = claims_as_of(raw, begun, run_b, run_a, Path(tb))
+        a = claims_as_of(raw, records, run_a, run_b, Path(ta))
+        b = claims_as_of(raw, records, run_b, run_a, Path(tb))
     keys = ["claim", "machine"]
     a = a[a["machine"].isin(machines) & (a["source"] != "tables/bench")]
     b = b[b["machine"].isin(machines) & (b["source"] != "tables/bench")]

@@ -349,16 +349,38 @@ def placement(figdir):
     _save(fig, figdir, "placement")
 
 
+def _bench_memory(figdir):
+    """`bench throughput` runs that measured memory: one row per configuration (S=16, S=E,
+    mlx-lm...) with its tok/s median and range and the memory it held."""
+    b = _read(figdir, "bench")
+    b = b[b["bench"] == "throughput"] if not b.empty else b
+    cols = ["machine", "model", "config", "memory_bytes", "tok_s", "tok_s_min", "tok_s_max"]
+    if b.empty:
+        return pd.DataFrame(columns=cols)
+    b = b.assign(machine=_machine(b), name=b["figure"].str.extract(r"^([a-z_ ]+)\[")[0],
+                 config=b["figure"].str.extract(r"\[(.*)\]$")[0])  # fmt: skip
+    b = b[b["name"].isin(["memory_bytes", "tok_s", "tok_s_min", "tok_s_max"])]
+    wide = b.pivot_table(index=["machine", "model", "config"], columns="name", values="value", aggfunc="first")
+    wide = wide.reset_index()
+    if "memory_bytes" not in wide.columns:
+        return pd.DataFrame(columns=cols)
+    return wide[wide["memory_bytes"].notna()].reindex(columns=cols)
+
+
 def memory(figdir):
     """Tokens/s against the memory a configuration holds (its model: weights not offloaded and
     slot tables; plus what one decode adds), resident mlx-lm as the reference point."""
     df = _read(figdir, "prefetch_online")
     df = df[df["memory_bytes"].notna()] if "memory_bytes" in df.columns else df.iloc[0:0]
-    if df.empty:
+    bench = _bench_memory(figdir)
+    if df.empty and bench.empty:
         return _empty(figdir, "throughput_vs_memory", "memory measurements")
-    df["machine"] = _machine(df)
+    if df.empty:  # bench runs only: no gate C panel rows
+        df = pd.DataFrame(columns=["machine", "model", "predictor", "tier", "slots", "memory_bytes", "tok_s"])
+    else:
+        df = df.assign(machine=_machine(df))
     df = df[df["predictor"].isin(["mlx-lm", "none", "oracle"])]
-    panels = sorted(df.groupby(["machine", "model"]).groups)
+    panels = sorted(set(df.groupby(["machine", "model"]).groups) | set(bench.groupby(["machine", "model"]).groups))
     cols = min(2, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
@@ -371,14 +393,126 @@ def memory(figdir):
             for r in h.itertuples():
                 ax.annotate(f"S={r.slots}", (r.memory_bytes / 1e6, r.tok_s), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")  # fmt: skip
-        ref = g[g["predictor"] == "mlx-lm"]
+        b = bench[(bench["machine"] == key[0]) & (bench["model"] == key[1])]
+        h = b[b["config"] != "mlx-lm"].sort_values("memory_bytes")
+        if not h.empty:
+            ax.errorbar(h["memory_bytes"] / 1e6, h["tok_s"], yerr=_err(h, "tok_s"), marker="D", color="C5",
+                        capsize=3, label="none (bench throughput)")  # fmt: skip
+            for r in h.itertuples():
+                ax.annotate(r.config, (r.memory_bytes / 1e6, r.tok_s), fontsize=6, xytext=(3, -9),
+                            textcoords="offset points")  # fmt: skip
+        ref = pd.concat([g[g["predictor"] == "mlx-lm"], b[b["config"] == "mlx-lm"]])
         if not ref.empty:
             ax.scatter(ref["memory_bytes"] / 1e6, ref["tok_s"], marker="*", s=120, color="k", label="mlx-lm resident")
         ax.set_title(f"{key[1]}\n{key[0]}", fontsize=8)
         ax.set_xlabel("memory held (MB): model + one decode's peak growth")
         ax.set_ylabel("decode tok/s")
+        ax.set_ylim(bottom=0)  # differences read at their true size (the CPU's full-size: 0.68 vs 0.69)
     _shared_legend(fig, axes, len(panels), "Throughput against memory", 0.07, 5)
     _save(fig, figdir, "throughput_vs_memory")
+
+
+def _trained(model: str) -> bool:
+    """A model whose routing was learnt (its registry entry has a training recipe): the ones on
+    which whether prediction pays means something."""
+    from engine.models.registry import RegistryError, get_spec
+
+    try:
+        return "training" in get_spec(model)
+    except RegistryError:  # a model no longer registered: its rows stay in the other figures
+        return False
+
+
+# The parts of a token's time the records measure; `other` is the rest of the median token time.
+SPLIT_PARTS = (
+    ("sync_ms_per_token", "sync", "C4"),
+    ("stall_ms_per_token", "stall", "C3"),
+    ("predict_ms_per_token", "predict", "C2"),
+)
+
+
+ANSWER_KINDS = (("demand", "C0"), ("best fitted", "C1"), ("oracle", "k"))
+
+
+def answer_rows(g):
+    """One panel's bars (one machine, model and prompt set of the gate C table): at each S < E,
+    demand loading, the fitted predictor with the highest median tok/s at that S (any depth and
+    floor) and the best oracle depth; each with the ms-per-token parts its record has and `other`,
+    the rest of its median token."""
+    engine, _ = _current_install(g[g["predictor"] != "mlx-lm"])
+    rows = []
+    for s in sorted(x for x in engine["slots"].unique() if x < engine["experts"].max()):
+        at = engine[engine["slots"] == s]
+        picks = {
+            "demand": at[at["predictor"] == "none"],
+            "best fitted": at[at["predictor"].isin(FITTED)],
+            "oracle": at[at["predictor"] == "oracle"],
+        }
+        for kind, _ in ANSWER_KINDS:
+            if picks[kind].empty:
+                continue
+            r = picks[kind].loc[picks[kind]["tok_s"].idxmax()]
+            row = dict(r, kind=kind)
+            parts = {part: r.get(col) for col, part, _ in SPLIT_PARTS}
+            parts = {k: v for k, v in parts.items() if pd.notna(v)}
+            row.update(parts, other=1e3 / r["tok_s"] - sum(parts.values()))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def prediction_pays(figdir):
+    """At each S of every trained model on the page-cache tier: demand loading, the best fitted
+    predictor at that S (by median tok/s) and the best oracle depth, beside resident mlx-lm;
+    left tok/s with its spread, right where a token's time goes."""
+    df = _read(figdir, "prefetch_online")
+    if not df.empty:
+        df = df[(df["tier"] == "page_cache") & df["model"].map(_trained)]
+    if df.empty:
+        return _empty(figdir, "prediction_pays", "gate C results on a trained model")
+    df = df.assign(machine=_machine(df))
+    panels = sorted(df.groupby(["machine", "model", "prompt_set"]).groups)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 2.9 * len(panels)), squeeze=False)
+    colors = dict(ANSWER_KINDS)
+    offset = {kind: j - 1 for j, (kind, _) in enumerate(ANSWER_KINDS)}
+    for (ax, bx), key in zip(axes, panels):
+        g = df[(df["machine"] == key[0]) & (df["model"] == key[1]) & (df["prompt_set"] == key[2])]
+        bars = answer_rows(g)
+        slots = sorted(bars["slots"].unique()) if not bars.empty else []
+        for r in bars.to_dict("records"):
+            x = slots.index(r["slots"]) + offset[r["kind"]] * 0.27
+            err = _err(pd.DataFrame([r]), "tok_s")
+            ax.bar(x, r["tok_s"], 0.25, yerr=err, capsize=2, color=colors[r["kind"]], alpha=0.8, label=r["kind"])
+            if r["kind"] == "best fitted":
+                name = f"{r['predictor']} d{r['depth']:g}" + (f" q{r['min_prob']:g}" if r["min_prob"] else "")
+                top = r["tok_s_max"] if pd.notna(r.get("tok_s_max")) else r["tok_s"]
+                ax.text(x, top, name, rotation=90, fontsize=6, ha="center", va="bottom")
+            bottom = 0.0
+            for _, part, pc in SPLIT_PARTS:
+                v = r.get(part)
+                if pd.notna(v) and v > 0:  # None: a record from before the part was measured
+                    bx.bar(x, v, 0.25, bottom=bottom, color=pc, label=part)
+                    bottom += v
+            bx.bar(x, max(r["other"], 0), 0.25, bottom=bottom, color="0.75", label="other (compute, host)")
+            bx.text(x, 1e3 / r["tok_s"], r["kind"][0], fontsize=6, ha="center", va="bottom")
+        for a in (ax, bx):
+            a.set_xticks(range(len(slots)), [f"S={s:g}" for s in slots])
+        for _, h in g[g["predictor"] == "mlx-lm"].iterrows():
+            ax.axhline(h["tok_s"], color="k", linewidth=0.8, linestyle="--", label="mlx-lm resident")
+        ax.margins(y=0.3)  # room for the best fitted predictor's name
+        ax.set_ylabel("decode tok/s")
+        bx.set_ylabel("ms per token")
+        ax.set_title(f"{key[1]}, {key[2]} prompts, {key[0]}", fontsize=8)
+        bx.set_title("where a token's time goes (d: demand, b: best fitted, o: oracle)", fontsize=8)
+    _shared_legend(
+        fig,
+        axes,
+        axes.size,
+        "Does prediction pay? Demand loading, the best fitted predictor and the oracle at each S "
+        "(bars: median; whiskers: min..max over repetitions)",
+        0.05,
+        8,
+    )
+    _save(fig, figdir, "prediction_pays")
 
 
 def build(figdir):
@@ -391,3 +525,4 @@ def build(figdir):
     train_loss(figdir)
     placement(figdir)
     memory(figdir)
+    prediction_pays(figdir)
