@@ -65,6 +65,42 @@ def test_a_tokens_time_split_names_the_predictors_host_work(reference, fit_trace
     assert split["predict"] > 0 and split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"))
 
 
+def test_the_probe_gets_each_tokens_moe_input_with_the_routers_indices(reference, fit_traces):
+    """At every decode layer the probe is handed the MoE input of the token being decoded (its
+    row, in float32, on the host), already read back in the synchronisation that brought the
+    router's indices: a second round trip to the device per layer is what made the probe's host
+    work cost more than its stall saving on the H200."""
+    ref = reference("qwen3moe-tiny")
+    pred = predictors.make("probe", 1, 8).fit(fit_traces("qwen3moe-tiny"))
+    seen, handed = [], []
+    predict = pred.predict
+    pred.predict = lambda ctx: seen.append((ctx.position, ctx.layer, ctx.hidden)) or predict(ctx)
+
+    class Spy(Prefetcher):
+        def predict_and_issue(self, layer, experts, hidden, cache):
+            if cache.rows == 1:
+                handed.append(hidden)
+            super().predict_and_issue(layer, experts, hidden, cache)
+
+    eng = load("qwen3moe-tiny", EngineConfig(slots=32), prefetcher=Spy(pred, 1))
+    layers = len(eng.tables)
+    try:
+        tokens, _, _ = decode(eng.model, ref["ids"], 6)
+    finally:
+        eng.close()
+    model, _, _ = registry.load_reference("qwen3moe-tiny")
+    tr = trace.record(model, ref["ids"], 6)
+    assert tokens == tr["generated"]
+    assert handed and all(isinstance(h, np.ndarray) for h in handed)
+    # every token decoded after the prompt, at every layer (the prefill predicts nothing)
+    decoded = np.flatnonzero(tr["decode"])
+    assert sorted((p, l) for p, l, _ in seen) == [(p, l) for p in decoded for l in range(layers)]
+    for position, layer, hidden in seen:
+        assert hidden.dtype == np.float32 and hidden.shape == tr["hidden"].shape[-1:]
+        # the trace keeps the MoE input as float16; the same row cast alike is the same bytes
+        assert np.array_equal(hidden.astype(np.float16), tr["hidden"][position, layer])
+
+
 def test_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fit_traces):
     ref = reference("qwen3moe-tiny")
     records, _ = run_with("qwen3moe-tiny", ref, "oracle", 1, fit_traces("qwen3moe-tiny"), slots=32)

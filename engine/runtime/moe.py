@@ -381,14 +381,22 @@ class SlotSwitchGLU(nn.Module):
         if table.full:
             # line 9: slot e holds expert e; straight to the kernels, no host synchronisation
             return self.glu(x, indices)
+        cache = self._cache
+        hidden = x
         t0 = time.perf_counter()
+        if cache.prefetcher.needs_hidden and cache.rows == 1:
+            # A decode step's predictor reads the MoE input: it comes back with the router's
+            # indices in the same synchronisation rather than in a second round trip to the device.
+            hidden = x.reshape(-1, x.shape[-1])[-1].astype(mx.float32)
+            mx.eval(indices, hidden)
+            hidden = np.array(hidden)
         idx = np.array(indices)  # line 11: the one unavoidable synchronisation
-        self._cache.stats.sync_s += time.perf_counter() - t0
+        cache.stats.sync_s += time.perf_counter() - t0
         k, d = idx.shape[-1], x.shape[-1]
         flat = idx.reshape(-1, k)
         groups = row_chunks(flat, table.slots)
         if len(groups) == 1:
-            self._cache.ensure(self._layer, np.unique(flat), x, np.sort(flat[-1]))
+            cache.ensure(self._layer, np.unique(flat), hidden, np.sort(flat[-1]))
             # lines 15-16: same kernel, same bytes as mlx-lm
             y = self.glu(x, mx.array(table.slot_indices(idx)))
             if self._cache.overlap:

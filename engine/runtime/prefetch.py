@@ -28,6 +28,7 @@ class NoPrefetch:
     """Demand loading only: every hook does nothing."""
 
     depth = 0
+    needs_hidden = False
 
     def drain(self, layer, need, can_abandon=False):
         return None
@@ -66,6 +67,7 @@ class Prefetcher:
             raise ValueError(f"prefetch depth must be at least 1, not {depth}")
         self.predictor = predictor
         self.depth = depth
+        self.needs_hidden = predictor.needs_hidden  # the MoE input at every decode step
         self.inflight = {}  # target layer -> {expert: Flight}
 
     def drain(self, layer, need: set, can_abandon: bool = False) -> Drained | None:
@@ -102,7 +104,9 @@ class Prefetcher:
     def _predict_and_issue(self, layer, experts, hidden, cache):
         target, offset = target_of(layer, self.depth, len(cache.tables))
         h = None
-        if self.predictor.needs_hidden and hidden is not None:
+        if self.predictor.needs_hidden and isinstance(hidden, np.ndarray):
+            h = hidden  # the last row's MoE input, read back with the router's indices
+        elif self.predictor.needs_hidden and hidden is not None:
             h = np.array(hidden.reshape(-1, hidden.shape[-1])[-1].astype(mx.float32))
         ctx = Context(cache.position, layer, target, offset, experts, h, cache.history)
         # A depth that wraps onto this very layer (depth a multiple of the layer count) fills the
