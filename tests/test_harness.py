@@ -432,6 +432,38 @@ def test_the_answer_figure_takes_the_best_fitted_predictor_at_each_s(tmp_path, m
     assert (figdir / "prediction_pays.png").exists()
 
 
+def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
+    """A run on the copy path from before records named the install, and a pinned run that named
+    it, both call their offloaded configuration `S=16`: the table keeps them apart (a shared row
+    would count them as two runs of one figure and show only the newer); resident rows are shared."""
+
+    def rec(started, result):
+        machine = dict(device="gpu", gpu="NVIDIA H200", chip="x", host="h", gate="bench")
+        return dict(machine, started_utc=started, run_id=started, result=dict(bench="throughput", model="m", **result))
+
+    old = rec("2026-11-30T03", dict(tokens=32, tok_s={"S=16": 18.0, "S=E": 200.0, "mlx-lm": 198.0}))
+    new = rec(
+        "2026-11-30T21",
+        dict(
+            tokens=32,
+            tok_s={"S=16": 42.0, "S=E": 259.0},
+            tok_s_spread={"S=16": {"min": 38.0, "max": 44.0}},
+            memory_bytes={"S=16": 1.24e9, "S=E": 3.96e9},
+            install={"S=16": "pinned", "S=E": "pinned"},
+        ),
+    )
+    df = aggregate.bench_table([old, new]).set_index("figure")
+    assert df.loc["tok_s[S=16/copy]", ["value", "runs"]].tolist() == [18.0, 1]
+    assert df.loc["tok_s[S=16/pinned]", ["value", "runs"]].tolist() == [42.0, 1]
+    assert df.loc["tok_s_min[S=16/pinned]", "value"] == 38.0 and df.loc["memory_bytes[S=16/pinned]", "value"] == 1.24e9
+    assert df.loc["tok_s[S=E]", ["value", "runs"]].tolist() == [259.0, 2]
+    assert "tok_s[S=16]" not in df.index
+    # a run of shorter decodes is another figure, not a newer run of this one
+    short = rec("2026-11-30T22", dict(tokens=16, tok_s={"S=16": 30.0}, install={"S=16": "pinned"}))
+    df = aggregate.bench_table([old, new, short]).set_index(["figure", "tokens"])
+    assert df.loc[("tok_s[S=16/pinned]", 32), "value"] == 42.0 and df.loc[("tok_s[S=16/pinned]", 16), "value"] == 30.0
+
+
 def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path, monkeypatch):
     import plotting
 
@@ -439,12 +471,11 @@ def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path
     (figdir / "tables").mkdir(parents=True)
     fig = {"memory_bytes[S=16]": 1.2e9, "tok_s[S=16]": 40.0, "tok_s_min[S=16]": 38.0, "tok_s_max[S=16]": 44.0,
            "memory_bytes[mlx-lm]": 3.9e9, "tok_s[mlx-lm]": 250.0, "ratio engine S=E / mlx-lm": 1.0}  # fmt: skip
-    pd.DataFrame(
-        [
-            dict(device="gpu", chip="NVIDIA H200", host="h", bench="throughput", model="m", figure=k, value=v, runs=1)
-            for k, v in fig.items()
-        ]  # fmt: skip
-    ).to_csv(figdir / "tables" / "bench.csv", index=False)
+    row = dict(device="gpu", chip="NVIDIA H200", host="h", bench="throughput", model="m", runs=1)
+    # a run of longer decodes without memory figures first: its tok/s is not paired with the other's memory
+    rows = [dict(row, tokens=32, figure="tok_s[S=16]", value=60.0)]
+    rows += [dict(row, tokens=16, figure=k, value=v) for k, v in fig.items()]
+    pd.DataFrame(rows).to_csv(figdir / "tables" / "bench.csv", index=False)
     pd.DataFrame({"empty": [True]}).to_csv(figdir / "tables" / "prefetch_online.csv", index=False)
     got = plotting._bench_memory(figdir).set_index("config")
     assert got.loc["S=16", ["memory_bytes", "tok_s", "tok_s_min", "tok_s_max"]].tolist() == [1.2e9, 40.0, 38.0, 44.0]

@@ -258,6 +258,21 @@ def wire_table(recs):
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
 
+def throughput_key(rec):
+    """A `bench throughput` configuration's name with its install path: a run of one install named
+    its offloaded configurations `S=16`, and runs of different days' defaults must not share a
+    row. Records from before they named it ran the default of their day (as in online_rows)."""
+    installs = rec["result"].get("install") or {}
+    default = "copy" if rec["device"] == "gpu" else "inplace"
+
+    def key(k):
+        if k.startswith("S=") and k != "S=E" and "/" not in k:
+            return f"{k}/{installs.get(k, default)}"
+        return k
+
+    return key
+
+
 def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
@@ -268,17 +283,19 @@ def bench_table(recs):
                 **machine_cols(r),
                 bench=res_get(r, "bench"),
                 model=res_get(r, "model"),
+                tokens=res_get(r, "tokens"),  # a decode's length: short ones pay more cold misses a token
                 started_utc=r["started_utc"],
                 run_id=r["run_id"],
             ),
         )
         figs = {}
         if base["bench"] == "throughput":
-            figs = {f"tok_s[{k}]": v for k, v in res["tok_s"].items()}
+            k_ = throughput_key(r)
+            figs = {f"tok_s[{k_(k)}]": v for k, v in res["tok_s"].items()}
             for k, sp in res.get("tok_s_spread", {}).items():
-                figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = sp["min"], sp["max"]
-            figs.update({f"x resident[{k}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
-            figs.update({f"memory_bytes[{k}]": v for k, v in res.get("memory_bytes", {}).items()})
+                figs[f"tok_s_min[{k_(k)}]"], figs[f"tok_s_max[{k_(k)}]"] = sp["min"], sp["max"]
+            figs.update({f"x resident[{k_(k)}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
+            figs.update({f"memory_bytes[{k_(k)}]": v for k, v in res.get("memory_bytes", {}).items()})
             if res.get("ratio_engine_full_vs_mlx_lm") is not None:  # None: not decoded resident
                 figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
         elif base["bench"] == "miss":
@@ -304,7 +321,7 @@ def bench_table(recs):
                     figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
-    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "figure"]
+    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]
     cols = keys + ["value", "runs"]
     for row in rows:
         for k in keys:

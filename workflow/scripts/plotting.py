@@ -360,7 +360,10 @@ def _bench_memory(figdir):
     b = b.assign(machine=_machine(b), name=b["figure"].str.extract(r"^([a-z_ ]+)\[")[0],
                  config=b["figure"].str.extract(r"\[(.*)\]$")[0])  # fmt: skip
     b = b[b["name"].isin(["memory_bytes", "tok_s", "tok_s_min", "tok_s_max"])]
-    wide = b.pivot_table(index=["machine", "model", "config"], columns="name", values="value", aggfunc="first")
+    # one run's figures together: a run of other decode lengths has its own row in the table
+    b = b.assign(tokens=b["tokens"].fillna(0) if "tokens" in b else 0)
+    index = ["machine", "model", "config", "tokens"]
+    wide = b.pivot_table(index=index, columns="name", values="value", aggfunc="first")
     wide = wide.reset_index()
     if "memory_bytes" not in wide.columns:
         return pd.DataFrame(columns=cols)
