@@ -1,6 +1,8 @@
 """The command lines, as a user runs them: `python -m engine` (the library) and `python -m
 harness` (the experiments). Every bad option is refused by name before anything loads."""
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -116,3 +118,34 @@ def test_a_users_models_file_extends_the_registry(tmp_path):
     assert r.returncode == 0, r.stderr
     ids = {line.split()[0] for line in r.stdout.splitlines()}
     assert {"my-tiny", "olmoe-tiny", "qwen3moe-tiny"} <= ids  # the packaged models stay
+
+
+def test_two_commits_run_side_by_side_alternating_and_keep_their_records(tmp_path):
+    """scripts/ab_commits.sh: each run executes in its own commit's tree, the order alternates so
+    that drift falls on both, and the raw records the runs write come back into this checkout.
+    (Both sides are HEAD here: a CI clone may hold no other commit; the trees tell them apart.)"""
+    tag = f"ab-test-{os.getpid()}"
+    code = (
+        "import pathlib, time; side = pathlib.Path.cwd().name; "
+        f"p = pathlib.Path('results/raw/{tag}') / f'{{time.time_ns()}}.jsonl'; "
+        "p.parent.mkdir(parents=True, exist_ok=True); p.write_text(side); print('ran', side)"
+    )
+    script = ROOT / "scripts" / "ab_commits.sh"
+    out = subprocess.run(
+        [script, "HEAD", "HEAD", "2", "--", "python", "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
+    kept = ROOT / "results" / "raw" / tag
+    try:
+        assert out.returncode == 0, out.stderr
+        ran = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("ran ")]
+        assert ran == ["a", "b", "b", "a"]
+        assert sorted(f.read_text() for f in kept.iterdir()) == sorted(ran)
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+
+
+def test_side_by_side_needs_a_count():
+    out = subprocess.run(
+        [ROOT / "scripts" / "ab_commits.sh", "HEAD", "HEAD", "x", "--", "true"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "REPEATS must be a positive integer, not 'x'" in out.stderr
