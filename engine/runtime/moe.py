@@ -399,7 +399,7 @@ class SlotSwitchGLU(nn.Module):
             cache.ensure(self._layer, np.unique(flat), hidden, np.sort(flat[-1]))
             # lines 15-16: same kernel, same bytes as mlx-lm
             y = self.glu(x, mx.array(table.slot_indices(idx)))
-            if self._cache.overlap:
+            if cache.overlap:
                 # Start the device on this layer now: the host builds the next layer's graph
                 # meanwhile, instead of the two taking turns at every synchronisation.
                 mx.async_eval(y)

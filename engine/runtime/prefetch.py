@@ -18,9 +18,6 @@ the decode thread at the drain, never swallowed, never a hang.
 import time
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-import numpy as np
-
 from ..predict.predictors import Context, NoPredictor, target_of
 
 
@@ -67,8 +64,12 @@ class Prefetcher:
             raise ValueError(f"prefetch depth must be at least 1, not {depth}")
         self.predictor = predictor
         self.depth = depth
-        self.needs_hidden = predictor.needs_hidden  # the MoE input at every decode step
         self.inflight = {}  # target layer -> {expert: Flight}
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether the predictor reads the MoE input at every decode step."""
+        return self.predictor.needs_hidden
 
     def drain(self, layer, need: set, can_abandon: bool = False) -> Drained | None:
         flights = self.inflight.pop(layer, None)
@@ -103,11 +104,9 @@ class Prefetcher:
 
     def _predict_and_issue(self, layer, experts, hidden, cache):
         target, offset = target_of(layer, self.depth, len(cache.tables))
-        h = None
-        if self.predictor.needs_hidden and isinstance(hidden, np.ndarray):
-            h = hidden  # the last row's MoE input, read back with the router's indices
-        elif self.predictor.needs_hidden and hidden is not None:
-            h = np.array(hidden.reshape(-1, hidden.shape[-1])[-1].astype(mx.float32))
+        # A decode step's MoE input (float32, on the host): SlotSwitchGLU read it back with the
+        # router's indices because this prefetcher `needs_hidden`.
+        h = hidden if self.needs_hidden else None
         ctx = Context(cache.position, layer, target, offset, experts, h, cache.history)
         # A depth that wraps onto this very layer (depth a multiple of the layer count) fills the
         # table this layer is about to compute from: its experts must keep their slots.
