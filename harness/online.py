@@ -2,6 +2,9 @@
 slots, predictors and depth, on one model, tier and prompt set, with resident mlx-lm as the
 ceiling measured in the same run; and the offline quality of every predictor."""
 
+import sys
+import time
+
 import numpy as np
 
 from engine import load
@@ -94,12 +97,25 @@ def summarize_repeats(accs) -> dict:
     return res
 
 
-def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None) -> dict:
+def phase_log():
+    """A `say(message)` that prints to stderr with the seconds since it was made: a sweep's log
+    then tells where its time went even when a time limit cuts it short (its records come last)."""
+    start = time.perf_counter()
+
+    def say(msg):
+        print(f"[titan] {time.perf_counter() - start:8.1f} s  {msg}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None, say=None) -> dict:
     """Every model decodes every input once per repetition, in an order that rotates between
     repetitions; returns per model the list of each repetition's totals."""
     names = list(models)
     accs = {n: [] for n in names}
     for r in range(repeats):
+        if say:
+            say(f"repetition {r + 1} of {repeats}: {len(names)} configurations x {len(inputs)} prompts")
         for n in names[r % len(names) :] + names[: r % len(names)]:
             acc = {}
             for i, ids in enumerate(inputs):
@@ -129,17 +145,21 @@ def sweep(
 ):
     """One result dict per configuration (see `configs`): each configuration decodes every
     prompt once per repetition, the configurations interleaved (summarize_repeats)."""
+    say = phase_log()
     ref, tok, spec = load_reference(model_id)
     E = spec["experts"]
     rows = prompts.load(prompt_set, "eval")[:n_prompts]
     inputs = [tok.encode(p["text"]) for p in rows]
+    say(f"reference {model_id} loaded")
     oracle_sets = [trace.record(ref, ids, tokens)["experts"] for ids in inputs]
     decode(ref, inputs[0], 2)  # warm-up
+    say(f"oracle traces of {len(inputs)} {prompt_set} prompts recorded")
     engines = {}
     try:
         for S, name, depth, q in configs(E, slots, predictor_names, depths, min_probs):
             c = (S, name, depth, q)
             if name != "mlx-lm":
+                t0 = time.perf_counter()
                 engines[c] = load(
                     model_id,
                     EngineConfig(
@@ -157,10 +177,17 @@ def sweep(
                 )
                 engines[c].bind_oracle(oracle_sets[0])
                 decode(engines[c].model, inputs[0], min(2, tokens))  # warm-up
+                say(f"S={S} {name} d{depth} q{q} loaded and warmed up in {time.perf_counter() - t0:.1f} s")
         models = {(E, "mlx-lm", 0, 0.0): ref, **{c: e.model for c, e in engines.items()}}
         accs = run_interleaved(
-            models, inputs, tokens, repeats, bind=lambda c, i: c in engines and engines[c].bind_oracle(oracle_sets[i])
+            models,
+            inputs,
+            tokens,
+            repeats,
+            bind=lambda c, i: c in engines and engines[c].bind_oracle(oracle_sets[i]),
+            say=say,
         )
+        say("decoded")
     finally:
         for eng in engines.values():
             eng.close()

@@ -12,6 +12,7 @@
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
 #   PSETS="general" limits it to one prompt set)
+# Every step writes OUTDIR/logs.tgz too: the new job logs and benchmark files, for where time went.
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
 # untracked files between calls) and OUTDIR/log.txt. BUDGET=SECONDS stops a step in time for the
 # collection to run before a caller's own time limit does (a step cut short is resumed by the
@@ -27,7 +28,10 @@ log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 collect() {
   find results/raw -type f -newer "$marker" | sort > "$out/new-raw.txt"
   tar czf "$out/raw.tgz" -T "$out/new-raw.txt" 2>/dev/null
-  log "collected $(wc -l < "$out/new-raw.txt") raw files"
+  # The jobs' logs and benchmark files say where a step's time went (not committed).
+  find results/logs results/benchmarks .snakemake/log -type f -newer "$marker" 2>/dev/null | sort > "$out/new-logs.txt"
+  tar czf "$out/logs.tgz" -T "$out/new-logs.txt" 2>/dev/null
+  log "collected $(wc -l < "$out/new-raw.txt") raw files, $(wc -l < "$out/new-logs.txt") logs"
 }
 deadline=$(($(date +%s) + ${BUDGET:-1000000}))
 run() {  # a failed step is logged and the next one still runs
@@ -66,8 +70,18 @@ for step in "$@"; do
           for s in ${PSETS:-general code}; do  # PSETS: the prompt sets, most wanted first
             targets+=(results/raw/C/{prefetch_online/$r-$w-page_cache,predictor_quality/$r-$w}-$s.jsonl)
           done
-          run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
-            "${targets[@]}" results/raw/C/routing/$r-$w.jsonl ;;
+          case "${PSETS:-general code}" in  # routing compares the two prompt sets
+            *general*code* | *code*general*) targets+=(results/raw/C/routing/$r-$w.jsonl) ;;
+          esac
+          # First what the measurements read (training, traces, fitted predictors, the store), the
+          # fits side by side: they time nothing, and one at a time they took 5 of a session's 30
+          # device minutes. Retried once: MLX writes its kernel cache without a lock, and processes
+          # that start at once may read a kernel another is still writing.
+          run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r \
+            --set-resources fit:timing=0 --retries 1 --omit-from prefetch_online predictor_quality routing \
+            -- "${targets[@]}"
+          # Then the measurements, one at a time.
+          run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- "${targets[@]}" ;;
     *) log "unknown step $step" ;;
   esac
 done

@@ -294,6 +294,26 @@ def test_gate_c_runs_fitted_predictors_at_every_floor_and_the_others_without():
     assert len(c) == len(set(c)) == 2 + 2 * (1 + 2 * 2 + 2)  # S = E only as the ceiling
 
 
+def test_configurations_take_turns_and_the_log_says_where_the_time_went(monkeypatch, capsys):
+    """Each repetition starts one configuration later, so none always decodes first; each
+    repetition is logged with the seconds since the sweep began, since a sweep cut short by a
+    time limit writes no record."""
+    from harness import online
+
+    order = []
+    monkeypatch.setattr(online, "decode", lambda model, ids, tokens: order.append((model, ids[0])) or (None, []))
+    monkeypatch.setattr(online, "accumulate", lambda acc, records: acc)
+    accs = online.run_interleaved({"a": "A", "b": "B"}, [[1], [2]], 4, 2, say=online.phase_log())
+    assert order == [("A", 1), ("A", 2), ("B", 1), ("B", 2), ("B", 1), ("B", 2), ("A", 1), ("A", 2)]
+    assert {k: len(v) for k, v in accs.items()} == {"a": 2, "b": 2}
+    lines = capsys.readouterr().err.splitlines()
+    assert [l.split(" s  ", 1)[1] for l in lines] == [
+        "repetition 1 of 2: 2 configurations x 2 prompts",
+        "repetition 2 of 2: 2 configurations x 2 prompts",
+    ]
+    assert all(l.startswith("[titan]") and float(l.split()[1]) >= 0 for l in lines)
+
+
 def test_a_run_without_a_floor_joins_the_rows_at_floor_zero(tmp_path):
     """Gate C records before confidence floors have no min_prob: they ran at 0, so a newer run
     of the same configuration replaces them in the table rather than standing beside them."""

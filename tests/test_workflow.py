@@ -2,6 +2,7 @@
 and bad configuration is refused by name. Dry runs only (the smoke run itself is in .ci/run)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -95,6 +96,19 @@ def test_a_models_own_sweep_reaches_its_jobs_only():
     assert "resources/models/olmoe-wide-trained/titan-build.json" in outs
     assert "resources/models/olmoe-trained/titan-build.json" in outs
     assert "olmoe-trained-f32/titan-build.json" not in outs  # written by olmoe-trained's run
+
+
+def test_the_expert_store_is_its_own_job_that_the_timed_jobs_wait_for():
+    """Written at real expert sizes it takes minutes: inside a sweep it would be timed with it, and
+    a sweep cut short would write it again."""
+    r = snakemake("-n", "--forceall", "--profile", "profiles/gpu", "gate_c", "--config", "run=store")
+    assert r.returncode == 0, r.stderr
+    jobs = re.split(r"^(?=(?:local)?rule )", r.stdout, flags=re.M)
+    store = "resources/stores/olmoe-wide-trained/index.json"
+    assert any(re.match(r"(local)?rule store:", j) and f"output: {store}" in j for j in jobs)
+    sweeps = [j for j in jobs if re.match(r"(local)?rule (prefetch_online|sync_ablation):", j)]
+    assert sweeps and all("resources/stores/" in j.split("output:")[0] for j in sweeps)
+    assert any(store in j.split("output:")[0] for j in sweeps)
 
 
 def test_a_sweep_for_a_model_not_swept_is_refused_by_name(tmp_path):

@@ -137,6 +137,11 @@ def model_input(model):
     return []
 
 
+def store_input(model):
+    """The expert store an offloaded engine reads (the `store` rule)."""
+    return [f"resources/stores/{model}/index.json"]
+
+
 def trace_file(model, pset, split, tokens):
     return f"resources/traces/{model}/{pset}-{split}-t{tokens}.npz"
 
@@ -190,6 +195,10 @@ def online(out, model):
 def fitted_inputs(wc):
     po = online(wc.out, wc.model)
     return fitted_files(wc.model, [wc.pset], po["predictors"], po["depths"], po) + model_input(wc.model)
+
+
+def online_inputs(wc):
+    return fitted_inputs(wc) + store_input(wc.model)
 
 
 # Say plainly when this run id has nothing left to measure (the planning process only: a job

@@ -45,6 +45,29 @@ rule trace:
         " --split {wildcards.split} --tokens {wildcards.tokens} > {log} 2>&1"
 
 
+rule store:
+    # Its own job, not the first engine's load inside a timed one: a store takes minutes to write
+    # at real expert sizes, and a sweep cut short by a time limit then resumes without rewriting it.
+    input:
+        lambda wc: model_input(wc.model),
+    output:
+        "resources/stores/{model}/index.json",
+    log:
+        "results/logs/store/{model}.log",
+    benchmark:
+        "results/benchmarks/store/{model}.tsv"
+    resources:
+        timing=1,
+    conda:
+        "../envs/titan.yaml"
+    params:
+        python=PYTHON,
+    shell:
+        # --force: the DAG runs this only when the store is missing or older than its model, and
+        # a retrained model's old store must not be kept.
+        "{params.python} -m engine store build {wildcards.model} --force > {log} 2>&1"
+
+
 rule fit:
     input:
         fit="resources/traces/{model}/{pset}-fit-t{tokens}.npz",

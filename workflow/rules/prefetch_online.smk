@@ -1,6 +1,6 @@
 rule prefetch_online:
     input:
-        fitted_inputs,
+        online_inputs,
     output:
         protected(f"{{out}}/raw/C/prefetch_online/{RUN}-{{model}}-{{tier}}-{{pset}}.jsonl"),
     log:
@@ -67,7 +67,7 @@ rule routing:
 
 rule sync_ablation:
     input:
-        lambda wc: model_input(wc.model),
+        lambda wc: model_input(wc.model) + store_input(wc.model),
     output:
         protected(f"{{out}}/raw/C/sync_ablation/{RUN}-{{model}}-{{pset}}.jsonl"),
     log:
