@@ -211,8 +211,12 @@ def cmd_store(a):
     model, _, spec, path = registry.load(a.model, lazy=True)
     if a.action == "build":
         with build_lock(store_dir(a.model)):
-            if a.force or not (store_dir(a.model) / "index.json").exists():
+            if a.force or not store_mod.built_from(store_dir(a.model), path):
                 store_mod.build(model, path, store_dir(a.model), a.model)
+            else:
+                # Kept: newer than its model now, so a workflow does not schedule it (and every
+                # sweep that reads it) again on its next run.
+                os.utime(store_dir(a.model) / "index.json")
         print(store_dir(a.model))
     else:
         with open_store(a.model, model, path, build=False) as s:
@@ -393,7 +397,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("store", help="build or verify a model's expert store")
     p.add_argument("action", choices=["build", "verify"])
     p.add_argument("model")
-    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.add_argument("--force", action="store_true", help="rebuild even if built from this very model")
     p.set_defaults(fn=cmd_store)
 
     p = sub.add_parser("decode", help="greedy decoding through the engine; prints the text and tok/s")

@@ -1,6 +1,7 @@
 """The expert store: round trip, tiers, and a clear error for every damaged store."""
 
 import json
+import os
 import shutil
 
 import mlx.core as mx
@@ -110,3 +111,31 @@ def test_read_into_slot_memory(tiny):
         s.read_into(0, 9, dests)
         views, _ = s.read_batch(0, [9])
         assert b"".join(d.tobytes() for d in dests) == b"".join(v.tobytes() for v in views[9])
+
+
+def test_store_build_rewrites_only_a_store_of_another_model(tmp_path, monkeypatch, tiny):
+    """The workflow's `store` job runs when the store is missing or older than its model; a store
+    that another job built from this very model meanwhile is kept (it may be being read), one
+    built from another model (a retrained one) is written again."""
+    from engine import cli
+    from engine.config import resources_dir
+    from engine.runtime.store import built_from
+
+    _, path = tiny
+    (tmp_path / "models").symlink_to(resources_dir() / "models")
+    shutil.copytree(store_dir("olmoe-tiny"), tmp_path / "stores" / "olmoe-tiny")
+    monkeypatch.setenv("TITAN_RESOURCES", str(tmp_path))
+    built = tmp_path / "stores" / "olmoe-tiny"
+    layer = built / "layer_000.bin"
+    assert built_from(built, path) and not built_from(built, registry.model_dir("qwen3moe-tiny"))
+    before = layer.stat().st_ino
+    os.utime(built / "index.json", (0, 0))  # older than its model, as the DAG would find it
+    cli.main(["store", "build", "olmoe-tiny"])
+    assert layer.stat().st_ino == before  # kept
+    assert (built / "index.json").stat().st_mtime > (path / "titan-build.json").stat().st_mtime  # and fresh
+    idx = json.loads((built / "index.json").read_text())
+    (built / "index.json").write_text(json.dumps({**idx, "model_digest": "0" * 64}))
+    assert not built_from(built, path)
+    cli.main(["store", "build", "olmoe-tiny"])
+    assert built_from(built, path) and layer.stat().st_ino != before
+    assert not built_from(tmp_path / "nowhere", path)

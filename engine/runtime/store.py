@@ -59,6 +59,14 @@ class StoreError(RuntimeError):
     """A store that is missing, corrupt, truncated or built from another model."""
 
 
+def built_from(path, model_path) -> bool:
+    """Whether the store in `path` exists and was built from the model in `model_path`."""
+    try:
+        return json.loads((Path(path) / "index.json").read_text()).get("model_digest") == model_digest(model_path)
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str  # e.g. "gate_proj.weight"

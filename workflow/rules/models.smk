@@ -63,9 +63,9 @@ rule store:
     params:
         python=PYTHON,
     shell:
-        # --force: the DAG runs this only when the store is missing or older than its model, and
-        # a retrained model's old store must not be kept.
-        "{params.python} -m engine store build {wildcards.model} --force > {log} 2>&1"
+        # Rebuilt only if built from another model (a retrained one): a job that opened the
+        # store on its own meanwhile (its first engine load builds it) keeps reading it.
+        "{params.python} -m engine store build {wildcards.model} > {log} 2>&1"
 
 
 rule fit:
