@@ -73,6 +73,18 @@ def test_release_frees_the_slot():
     assert t.claim(1) == s
 
 
+def test_the_lowest_free_slot_is_taken_first():
+    """Trace replay (simulate.py) and the engine place experts alike, whatever order slots freed in."""
+    t = SlotTable(0, num_experts=8, slots=6, tensors=TENSORS)
+    for e in range(6):
+        assert t.claim(e) == e
+    for e in (4, 1, 5):
+        t.release(e)
+    assert [t.claim(e) for e in (6, 7, 4)] == [1, 4, 5]
+    assert t.claim(1, protected={2, 3, 4, 6, 7}) == 0  # full again: expert 0's slot
+    check_consistent(t)
+
+
 def test_inplace_write_is_seen_by_mlx():
     t = SlotTable(0, num_experts=4, slots=2, tensors=TENSORS)
     (dest,) = t.dests(1)

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -139,3 +140,47 @@ def test_store_build_rewrites_only_a_store_of_another_model(tmp_path, monkeypatc
     cli.main(["store", "build", "olmoe-tiny"])
     assert built_from(built, path) and layer.stat().st_ino != before
     assert not built_from(tmp_path / "nowhere", path)
+
+
+def test_many_reads_are_handed_to_at_most_readers_threads_and_each_has_its_future(tiny, monkeypatch):
+    """A prefetch's reads go to the reader threads in at most `readers` hand-offs (each wakes a
+    thread); each read still has its own future, lands its own bytes and fails on its own."""
+    with Store(store_dir("olmoe-tiny"), readers=3) as s:
+        handoffs = []
+        real = s._prefetch_pool.submit
+        monkeypatch.setattr(s._prefetch_pool, "submit", lambda *a: handoffs.append(a) or real(*a))
+        experts = [5, 9, 1, 33, 60, 2, 17, 40]
+        records = [s.empty_record() for _ in experts]
+        futures = s.submit_many(2, [(e, [r]) for e, r in zip(experts, records)], prefetch=True)
+        assert len(futures) == len(experts) and all(f.result() >= 0 for f in futures)
+        assert len(handoffs) == 3
+        want, _ = s.read_block(2, experts)
+        assert all(r.tobytes() == w[: s.expert_bytes].tobytes() for r, w in zip(records, want))
+
+        bad = s.submit_many(2, [(7, [s.empty_record()]), (999, [s.empty_record()]), (8, [s.empty_record()])])
+        assert bad[1].exception() is not None and "out of range" in str(bad[1].exception())
+        assert bad[0].exception() is None and bad[2].exception() is None
+
+
+def test_a_read_cancelled_before_it_starts_is_never_made(tiny):
+    with Store(store_dir("olmoe-tiny"), readers=1) as s:
+        gate = threading.Event()
+        s._prefetch_pool.submit(gate.wait)  # the one reader thread is busy
+        rec = s.empty_record()
+        rec[:] = 0xAB
+        (fut,) = s.submit_many(1, [(3, [rec])], prefetch=True)
+        assert fut.cancel()
+        gate.set()
+        s._prefetch_pool.submit(lambda: None).result()  # the hand-off has run
+        assert fut.cancelled() and (rec == 0xAB).all()
+
+
+@pytest.mark.timeout(30)
+def test_closing_the_store_leaves_no_read_pending(tiny):
+    s = Store(store_dir("olmoe-tiny"), readers=1)
+    gate = threading.Event()
+    s._prefetch_pool.submit(gate.wait)
+    futures = s.submit_many(0, [(e, [s.empty_record()]) for e in range(4)], prefetch=True)
+    threading.Timer(0.2, gate.set).start()
+    s.close()  # the queued hand-off is cancelled, and with it its reads
+    assert all(f.done() for f in futures)

@@ -184,27 +184,29 @@ class ExpertCache:
         if onto_itself:
             self.prefetcher.predict_and_issue(layer, experts, hidden, self)
 
-    def reserve(self, layer: int, expert: int, protected):
-        """A destination for a prefetched read of `expert` into `layer`, or None when there is no
-        room for one (every slot holds a protected expert; the staging pool is kept for demand)."""
-        table = self.tables[layer]
+    def reserve(self, layer: int, experts, protected) -> list:
+        """Destinations for prefetched reads of `experts` into `layer`, in order, as many as there
+        is room for (a slot outside `protected`; a staging record beyond those kept for demand)."""
+        table, dests = self.tables[layer], []
         if table.install_mode == "inplace":
-            try:
-                slot = table.claim(expert, protected)
-            except RuntimeError:
-                return None
-            dest = Destination(table.dests(slot), slot=slot)
+            for e in experts:
+                try:
+                    slot = table.claim(e, protected)
+                except RuntimeError:
+                    break
+                dests.append(Destination(table.dests(slot), slot=slot))
         elif table.install_mode == "pinned":
             pool = self.staging
-            if pool.available() <= pool.window:
-                return None
-            staged = pool.acquire(1)[0]
-            dest = Destination([pool.view(staged)[: self.store.expert_bytes]], staged=staged)
+            n = min(len(experts), pool.available() - pool.window)
+            if n > 0:
+                view = pool.view
+                dests = [Destination([view(r)[: self.store.expert_bytes]], staged=r) for r in pool.acquire(n)]
         else:
-            record = self.store.empty_record()
-            dest = Destination([record], record=record)
-        self.stats.issued += 1
-        return dest
+            for _ in experts:
+                record = self.store.empty_record()
+                dests.append(Destination([record], record=record))
+        self.stats.issued += len(dests)
+        return dests
 
     def _free(self, table, flight):
         """Give back what a read that will never be installed held."""
@@ -280,8 +282,11 @@ class ExpertCache:
         t1 = time.perf_counter()
         try:
             if table.install_mode == "inplace":
-                futures = [store.submit(layer, e, table.dests(s)) for e, s in zip(misses, slots)]
-                seconds = [f.result() for f in futures]
+                if len(misses) == 1:  # a lone miss (the common case at decode): no thread hand-off
+                    seconds = [store.read_into(layer, misses[0], table.dests(slots[0]))]
+                else:
+                    futures = store.submit_many(layer, [(e, table.dests(s)) for e, s in zip(misses, slots)])
+                    seconds = [f.result() for f in futures]
                 t2 = t3 = time.perf_counter()
             elif table.install_mode == "pinned":
                 seconds, wait_s, copy_s = self.read_staged(layer, misses, slots)
@@ -326,7 +331,9 @@ class ExpertCache:
                 if len(exps) == 1:  # a lone miss (the common case at decode): no thread hand-off
                     seconds.append(store.read_into(layer, exps[0], [pool.view(recs[0])[: store.expert_bytes]]))
                 else:
-                    futures = [store.submit(layer, e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
+                    futures = store.submit_many(
+                        layer, [(e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
+                    )
                     try:
                         seconds += [f.result() for f in futures]
                     except BaseException:

@@ -114,17 +114,19 @@ class Prefetcher:
         self.issue(target, self.predictor.predict(ctx), cache, busy)
 
     def issue(self, target, predicted, cache, busy=()):
-        predicted = [int(e) for e in predicted]
+        predicted = list(dict.fromkeys(int(e) for e in predicted))
         cache.tables[target].hint(predicted)
         flights = self.inflight.setdefault(target, {})
+        slot_of = cache.tables[target].slot_of
+        wanted = [e for e in predicted if e not in flights and slot_of[e] < 0]
+        if not wanted:
+            return
         protected = set(flights) | set(predicted) | {int(e) for e in busy}
-        for e in predicted:
-            if e in flights or cache.tables[target].resident(e):
-                continue
-            dest = cache.reserve(target, e, protected)
-            if dest is None:
-                break  # no room left for speculative reads
-            flights[e] = Flight(e, dest, cache.store.submit(target, e, dest.buffers, prefetch=True))
+        # As many as there is room for, the likeliest first: speculative reads never wait for room.
+        dests = cache.reserve(target, wanted, protected)
+        futures = cache.store.submit_many(target, [(e, d.buffers) for e, d in zip(wanted, dests)], prefetch=True)
+        for e, d, fut in zip(wanted, dests, futures):
+            flights[e] = Flight(e, d, fut)
 
     def close(self):
         """Cancel what has not started, wait for what has; errors no longer matter."""

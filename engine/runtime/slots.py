@@ -15,6 +15,7 @@ Two install modes:
   (`install_batch`; engine.staging).
 """
 
+import heapq
 from collections import OrderedDict
 
 import mlx.core as mx
@@ -145,6 +146,11 @@ class SlotTable:
             self.buffers = [aligned_zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
             # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
             self._rows = [memoryview(b).cast("B") for b in self.buffers]
+            # Each slot's views, made once: a prefetch asks for them at every issue.
+            self._dests = [
+                tuple(row[s * t.nbytes : (s + 1) * t.nbytes] for row, t in zip(self._rows, self.tensors))
+                for s in range(slots)
+            ]
         else:
             # No host view is ever taken: on a GPU it would move the buffers out of device memory.
 
@@ -153,6 +159,7 @@ class SlotTable:
             self._rows = None
         self.slot_of = np.full(num_experts, -1, np.int64)
         self.expert_in = np.full(slots, -1, np.int64)
+        self._free = list(range(slots))  # a heap: the lowest free slot is taken first
         self.policy = make_policy(policy, slots)
         self.policy_name = policy
         self.hits = self.misses = self.evictions = self.bytes_read = 0
@@ -165,11 +172,11 @@ class SlotTable:
     def resident(self, expert: int) -> bool:
         return self.slot_of[expert] >= 0
 
-    def dests(self, slot: int) -> list:
-        """Writable views of one slot's nine tensors, in store order (for one `preadv`)."""
+    def dests(self, slot: int) -> tuple:
+        """Writable views of one slot's tensors, in store order (for one `preadv`)."""
         if self._rows is None:
             raise RuntimeError(f"MoE layer {self.layer}: a {self.install_mode}-mode table takes no direct writes")
-        return [row[slot * t.nbytes : (slot + 1) * t.nbytes] for row, t in zip(self._rows, self.tensors)]
+        return self._dests[slot]
 
     def touch(self, experts):
         for e in experts:
@@ -181,9 +188,8 @@ class SlotTable:
 
     def claim(self, expert: int, protected=()) -> int:
         """Map `expert` to a free slot, or evict the policy's victim outside `protected`."""
-        free = np.flatnonzero(self.expert_in < 0)
-        if len(free):
-            slot = int(free[0])
+        if self._free:
+            slot = heapq.heappop(self._free)
         else:
             victim = self.policy.victim(protected)
             slot = int(self.slot_of[victim])
@@ -197,11 +203,12 @@ class SlotTable:
 
     def release(self, expert: int):
         """Forget an expert whose bytes never arrived (a failed read)."""
-        slot = self.slot_of[expert]
+        slot = int(self.slot_of[expert])
         if slot >= 0:
             self.expert_in[slot] = -1
             self.slot_of[expert] = -1
             self.policy.remove(expert)
+            heapq.heappush(self._free, slot)
 
     def install_arrays(self, slot: int, arrays):
         """Copy mode: write MLX arrays (made in this thread) into a slot, lazily."""

@@ -17,8 +17,9 @@ import os
 import shutil
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -65,6 +66,13 @@ def built_from(path, model_path) -> bool:
         return json.loads((Path(path) / "index.json").read_text()).get("model_digest") == model_digest(model_path)
     except (OSError, ValueError):
         return False
+
+
+def _cancel_unread(part, task):
+    """A hand-off that never ran (the store closed first) leaves none of its reads pending."""
+    if task.cancelled():
+        for _, fut in part:
+            fut.cancel()
 
 
 @dataclass(frozen=True)
@@ -327,6 +335,7 @@ class Store:
         self._verified = [np.zeros(layer["experts"], bool) for layer in self.layers]
         # Demand reads and prefetches have their own threads, so that a read the decode thread
         # waits for never queues behind speculative ones.
+        self.readers = readers
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="titan-reader")
         self._prefetch_pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="titan-reader-prefetch")
 
@@ -382,12 +391,34 @@ class Store:
         pool = self._prefetch_pool if prefetch else self._pool
         return pool.submit(self.read_into, layer, expert, dests)
 
+    def submit_many(self, layer: int, reads, prefetch: bool = False) -> list:
+        """Queue several reads of one layer, `reads` = [(expert, dests), ...]: one future per read,
+        as `submit` gives, but at most `readers` hand-offs to the reader threads (each takes every
+        readers-th read, in order, so the first named are read first). A hand-off wakes a thread,
+        which cost the decode thread more than the rest of issuing a prefetch (docs/gpu.md)."""
+        futures = [Future() for _ in reads]
+        pool = self._prefetch_pool if prefetch else self._pool
+        n = min(self.readers, len(reads))
+        for g in range(n):
+            part = list(zip(reads[g::n], futures[g::n]))
+            pool.submit(self._read_part, layer, part).add_done_callback(partial(_cancel_unread, part))
+        return futures
+
+    def _read_part(self, layer: int, part):
+        for (expert, dests), fut in part:
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while it waited: a wasted prefetch dropped at its drain
+            try:
+                fut.set_result(self.read_into(layer, expert, dests))
+            except BaseException as e:
+                fut.set_exception(e)
+
     def read_block(self, layer: int, experts):
         """Read several experts of a layer into the rows of one block (each row on a page
         boundary); returns (block of shape (n, row bytes >= expert_bytes), [pread seconds])."""
         experts = list(experts)
         block = aligned_empty(len(experts) * self.record_bytes).reshape(len(experts), self.record_bytes)
-        futures = [self.submit(layer, e, [block[i, : self.expert_bytes]]) for i, e in enumerate(experts)]
+        futures = self.submit_many(layer, [(e, [block[i, : self.expert_bytes]]) for i, e in enumerate(experts)])
         return block, [f.result() for f in futures]
 
     def read_batch(self, layer: int, experts):
