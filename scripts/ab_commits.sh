@@ -7,6 +7,7 @@
 # Each commit runs from its own git worktree (under $TMPDIR), with this checkout's Python and
 # resources folder ($TITAN_RESOURCES, else this checkout's resources/), so both read the same
 # models, stores and fits. A command starting with `python` runs this checkout's .venv/bin/python.
+# Records of `bench prefetch` are then summarised side by side (scripts/ab_summary.py).
 set -euo pipefail
 if [ $# -lt 5 ] || [ "$4" != "--" ]; then
   echo "usage: $0 COMMIT_A COMMIT_B REPEATS -- COMMAND..." >&2
@@ -34,7 +35,15 @@ for i in $(seq 1 "$repeats"); do
     echo "== run $i, ${side^^} ${commit:0:12}"
     (cd "$work/$side" && "$@")
     if [ -d "$work/$side/results/raw" ]; then  # new files only: results/raw is append-only
-      (cd "$work/$side/results/raw" && find . -type f -newer "$work/started" -exec cp --parents -n {} "$root/results/raw/" \;)
+      (cd "$work/$side/results/raw" && find . -type f -newer "$work/started" -print -exec cp --parents -n {} "$root/results/raw/" \;) \
+        >> "$work/copied"
     fi
   done
 done
+# Prefetch benches: their figures side by side, per commit, from the records just copied.
+if grep -q '^\./bench/prefetch/' "$work/copied" 2>/dev/null; then
+  py=$root/.venv/bin/python
+  [ -x "$py" ] || py=python3
+  echo "== side by side (scripts/ab_summary.py)"
+  grep '^\./bench/prefetch/' "$work/copied" | sort -u | sed "s|^\./|$root/results/raw/|" | xargs "$py" "$root/scripts/ab_summary.py"
+fi

@@ -1,7 +1,9 @@
 """The command lines, as a user runs them: `python -m engine` (the library) and `python -m
 harness` (the experiments). Every bad option is refused by name before anything loads."""
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -149,3 +151,37 @@ def test_side_by_side_needs_a_count():
         [ROOT / "scripts" / "ab_commits.sh", "HEAD", "HEAD", "x", "--", "true"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "REPEATS must be a positive integer, not 'x'" in out.stderr
+
+
+def test_side_by_side_records_are_summarised_per_commit(tmp_path):
+    """scripts/ab_summary.py: each commit's runs of `bench prefetch --record`, every figure as the
+    median [min, max] over runs, and tok/s over demand loading's taken within each run."""
+
+    def record(commit, dirty, demand, probe, predict_ms):
+        res = {
+            "none/d0": {"tok_s": demand, "time_split_ms": {"predict": 0.0}},
+            "probe/d1": {"tok_s": probe, "time_split_ms": {"predict": predict_ms}},
+        }
+        p = tmp_path / f"{commit}-{demand}.jsonl"
+        p.write_text(json.dumps({"commit": commit * 40, "dirty": dirty, "result": {"results": res}}) + "\n")
+        return p
+
+    files = [
+        record("a", False, 100.0, 50.0, 1.0),
+        record("a", False, 200.0, 50.0, 3.0),
+        record("b", True, 10.0, 20.0, 2.0),
+    ]
+    script = ROOT / "scripts" / "ab_summary.py"
+    out = subprocess.run([sys.executable, script, *map(str, files)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "aaaaaaaaaaaa: 2 runs"
+    rows = [re.match(r"  (\S+)\s+(.+?)\s+(\S+ \[\S+, \S+\])$", line).groups() for line in lines[1:7]]
+    got = {f"{name} {fig}": value for name, fig, value in rows}
+    assert got["probe/d1 x demand"] == "0.375 [0.250, 0.500]"  # 50/100 and 50/200: not 100/150
+    assert got["probe/d1 predict ms"] == "2.000 [1.000, 3.000]"
+    assert "bbbbbbbbbbbb-dirty: 1 runs" in lines
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"bench": "miss"}\n')
+    out = subprocess.run([sys.executable, script, str(bad)], capture_output=True, text=True)
+    assert out.returncode != 0 and f"{bad}: line 1 is not a `bench prefetch` raw record" in out.stderr
