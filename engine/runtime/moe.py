@@ -140,7 +140,7 @@ class ExpertCache:
         for e in range(table.num_experts):
             table.claim(e)
         if table.install_mode == "inplace":
-            futures = [self.store.submit(layer, e, table.dests(e)) for e in range(table.num_experts)]
+            futures = self.store.submit_many(layer, [(e, table.dests(e)) for e in range(table.num_experts)])
             for f in futures:
                 f.result()
         elif table.install_mode == "pinned":
@@ -199,8 +199,7 @@ class ExpertCache:
             pool = self.staging
             n = min(len(experts), pool.available() - pool.window)
             if n > 0:
-                view = pool.view
-                dests = [Destination([view(r)[: self.store.expert_bytes]], staged=r) for r in pool.acquire(n)]
+                dests = [Destination([pool.view(r)[: self.store.expert_bytes]], staged=r) for r in pool.acquire(n)]
         else:
             for _ in experts:
                 record = self.store.empty_record()

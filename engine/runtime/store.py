@@ -386,16 +386,11 @@ class Store:
             self._verified[layer][expert] = True
         return dt
 
-    def submit(self, layer: int, expert: int, dests, prefetch: bool = False):
-        """Queue one read on the reader threads; the future yields the read seconds."""
-        pool = self._prefetch_pool if prefetch else self._pool
-        return pool.submit(self.read_into, layer, expert, dests)
-
     def submit_many(self, layer: int, reads, prefetch: bool = False) -> list:
-        """Queue several reads of one layer, `reads` = [(expert, dests), ...]: one future per read,
-        as `submit` gives, but at most `readers` hand-offs to the reader threads (each takes every
-        readers-th read, in order, so the first named are read first). A hand-off wakes a thread,
-        which cost the decode thread more than the rest of issuing a prefetch (docs/gpu.md)."""
+        """Queue reads of one layer on the reader threads, `reads` = [(expert, dests), ...]; each
+        read's future yields its read seconds. At most `readers` hand-offs (each wakes a thread),
+        not one per read: each takes every readers-th read, in order, so the first named are read
+        first."""
         futures = [Future() for _ in reads]
         pool = self._prefetch_pool if prefetch else self._pool
         n = min(self.readers, len(reads))
