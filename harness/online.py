@@ -9,10 +9,13 @@ import numpy as np
 
 from engine import load
 from engine.config import EngineConfig
+from engine.models import registry
 from engine.models.registry import load_reference
 from engine.predict import predictors, prompts, simulate, trace
 from engine.predict.fitting import get_predictor
 from engine.runtime.loop import PEAKS, decode, model_bytes, totals
+from harness.checkpoint import Repetitions, model_fingerprint
+from harness.provenance import code_digest, git_state
 
 
 def accumulate(acc, records):
@@ -108,12 +111,15 @@ def phase_log():
     return say
 
 
-def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None, say=None) -> dict:
+def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None, say=None, checkpoint=None) -> dict:
     """Every model decodes every input once per repetition, in an order that rotates between
-    repetitions; returns per model the list of each repetition's totals."""
+    repetitions; returns per model the list of each repetition's totals. With a `checkpoint`
+    (harness.checkpoint.Repetitions) the repetitions an earlier process finished are taken from
+    it and each one finished here is saved to it."""
     names = list(models)
-    accs = {n: [] for n in names}
-    for r in range(repeats):
+    done = checkpoint.load(names) if checkpoint is not None else []
+    accs = {n: [rep[n] for rep in done] for n in names}
+    for r in range(len(done), repeats):
         if say:
             say(f"repetition {r + 1} of {repeats}: {len(names)} configurations x {len(inputs)} prompts")
         for n in names[r % len(names) :] + names[: r % len(names)]:
@@ -123,6 +129,8 @@ def run_interleaved(models: dict, inputs, tokens: int, repeats: int, bind=None, 
                     bind(n, i)
                 accumulate(acc, decode(models[n], ids, tokens)[1])
             accs[n].append(acc)
+        if checkpoint is not None:
+            checkpoint.save([{n: accs[n][k] for n in names} for k in range(r + 1)])
     return accs
 
 
@@ -142,10 +150,34 @@ def sweep(
     size=None,
     repeats=3,
     min_probs=(0.0,),
+    checkpoint=None,
 ):
     """One result dict per configuration (see `configs`): each configuration decodes every
-    prompt once per repetition, the configurations interleaved (summarize_repeats)."""
+    prompt once per repetition, the configurations interleaved (summarize_repeats). With a
+    `checkpoint` path a sweep stopped part way resumes at its next repetition (harness.checkpoint);
+    the path is removed once the results are made."""
     say = phase_log()
+    reps = None
+    if checkpoint is not None:
+        key = dict(
+            model=model_id,
+            tier=tier,
+            prompt_set=prompt_set,
+            slots=list(slots),
+            predictors=list(predictor_names),
+            depths=list(depths),
+            prompts=n_prompts,
+            tokens=tokens,
+            readers=readers,
+            fit_tokens=fit_tokens,
+            install=install,
+            size=size,
+            min_probs=list(min_probs),
+            code=git_state(),
+            engine=code_digest(),
+            files=model_fingerprint(registry.model_dir(model_id)),
+        )
+        reps = Repetitions(checkpoint, key, say=say)
     ref, tok, spec = load_reference(model_id)
     E = spec["experts"]
     rows = prompts.load(prompt_set, "eval")[:n_prompts]
@@ -186,8 +218,10 @@ def sweep(
             repeats,
             bind=lambda c, i: c in engines and engines[c].bind_oracle(oracle_sets[i]),
             say=say,
+            checkpoint=reps,
         )
         say("decoded")
+        resumed = reps.loaded if reps is not None else 0
     finally:
         for eng in engines.values():
             eng.close()
@@ -206,6 +240,7 @@ def sweep(
             prompts=len(rows),
             install=None if eng is None else eng.tables[0].install_mode,
             **summarize_repeats(accs[S, name, depth, q]),
+            repeats_resumed=resumed,
         )
         # What this configuration would hold running alone: its model (weights not offloaded, slot
         # tables) and the most one decode added (KV cache, activations). Every configuration of the
@@ -215,6 +250,8 @@ def sweep(
         results.append(res)
         if progress:
             progress(res)
+    if reps is not None:
+        reps.clear()
     return results
 
 

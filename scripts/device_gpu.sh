@@ -16,14 +16,21 @@
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
 # untracked files between calls) and OUTDIR/log.txt. BUDGET=SECONDS stops a step in time for the
 # collection to run before a caller's own time limit does (a step cut short is resumed by the
-# next call: Snakemake keeps what finished).
+# next call: Snakemake keeps what finished; a sweep resumes at its first unfinished repetition).
+#
+# DETACH=1: the steps run in a process of their own session (setsid) in a copy of this tree at
+# WORK (default /root/titan-work/tree), made at the first call, so they outlive the call on a
+# machine that stays warm between calls, and the call's own limit stops no step part way. The call
+# prints their log as it grows and, once they end or BUDGET is spent, brings back what they have
+# made so far (OUTDIR/raw.tgz, logs.tgz, log.txt). The same command again waits on the same
+# process; once it has ended, it runs the steps again in the same copy, where Snakemake resumes.
+# `wide:code` and `wide:code,general` are the wide step for those prompt sets (PSETS), so that
+# one detached run can do one set and then both.
 set -uo pipefail
 out=${1:?usage: scripts/device_gpu.sh OUTDIR STEP...}
 shift
 mkdir -p "$out"
-exec > >(tee -a "$out/log.txt") 2>&1
 py=${PYTHON:-python3}
-marker=${MARKER:-$(mktemp)}
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 collect() {
   find results/raw -type f -newer "$marker" | sort > "$out/new-raw.txt"
@@ -34,6 +41,45 @@ collect() {
   log "collected $(wc -l < "$out/new-raw.txt") raw files, $(wc -l < "$out/new-logs.txt") logs"
 }
 deadline=$(($(date +%s) + ${BUDGET:-1000000}))
+if [[ ${DETACH:-} == 1 ]]; then
+  work=${WORK:-/root/titan-work/tree}
+  state=$(dirname "$work")
+  pid=$(cat "$state/pid" 2>/dev/null)
+  if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
+    log "waiting on the detached steps (process $pid) in $work"
+  else
+    if [[ ! -d $work ]]; then  # what the steps build and measure stays in the copy between calls
+      mkdir -p "$work" && touch "$state/marker"
+      tar cf - --exclude=./.git --exclude=./.venv --exclude=./resources --exclude=./.snakemake \
+        --exclude='./.gpu*' --exclude=./results/logs --exclude=./results/benchmarks . | tar xf - -C "$work"
+    fi
+    mkdir -p "$state/out"
+    # Nothing of this call's (its output pipes included) stays open in the detached process.
+    (cd "$work" && DETACH=child BUDGET='' MARKER="$state/marker" \
+      exec setsid scripts/device_gpu.sh "$state/out" "$@") > /dev/null 2>&1 < /dev/null &
+    for _ in $(seq 50); do [[ -s $state/pid ]] && [[ $(cat "$state/pid") != "$pid" ]] && break; sleep 0.1; done
+    pid=$(cat "$state/pid")
+    log "started the steps in a session of their own (process $pid) in $work: $*"
+  fi
+  touch "$state/out/log.txt"
+  tail -n +1 -F "$state/out/log.txt" 2> /dev/null &
+  tailer=$!
+  while kill -0 "$pid" 2>/dev/null && (($(date +%s) < deadline - 10)); do sleep 2; done
+  kill "$tailer" 2>/dev/null
+  cp "$state/out/log.txt" "$out/log.txt"
+  # what the steps have made so far, a step still running included (its finished jobs' files)
+  marker=$state/marker
+  (cd "$work" && collect)
+  if kill -0 "$pid" 2>/dev/null; then
+    log "the steps are still running (process $pid): the same command waits on them again"
+  else
+    log "the steps have ended"
+  fi
+  exit 0
+fi
+[[ ${DETACH:-} == child ]] && echo $$ > "$(dirname "$out")/pid"
+exec > >(tee -a "$out/log.txt") 2>&1
+marker=${MARKER:-$(mktemp)}
 run() {  # a failed step is logged and the next one still runs
   local left=$((deadline - $(date +%s) - 20))
   if ((left <= 0)); then
@@ -66,7 +112,9 @@ for step in "$@"; do
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
             run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
               results/raw/C/prefetch_online/$r-$full-page_cache-{general,code}.jsonl ;;
-    wide) r=${RUN:-gpu-${TITAN_COMMIT:0:12}} w=olmoe-wide-trained targets=()
+    wide | wide:*)
+          [[ $step == wide:* ]] && PSETS=${step#wide:} && PSETS=${PSETS//,/ }
+          r=${RUN:-gpu-${TITAN_COMMIT:0:12}} w=olmoe-wide-trained targets=()
           for s in ${PSETS:-general code}; do  # PSETS: the prompt sets, most wanted first
             targets+=(results/raw/C/{prefetch_online/$r-$w-page_cache,predictor_quality/$r-$w}-$s.jsonl)
           done

@@ -185,3 +185,50 @@ def test_side_by_side_records_are_summarised_per_commit(tmp_path):
     bad.write_text('{"bench": "miss"}\n')
     out = subprocess.run([sys.executable, script, str(bad)], capture_output=True, text=True)
     assert out.returncode != 0 and f"{bad}: line 1 is not a `bench prefetch` raw record" in out.stderr
+
+
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# stands in for the GPU machine's python: a measurement takes a while, then writes a raw file
+if [ "$1 $2" = "-m harness" ]; then
+  sleep "$FAKE_SECONDS"
+  mkdir -p results/raw/bench/fake
+  n=$(ls results/raw/bench/fake | wc -l)
+  echo '{}' > "results/raw/bench/fake/$n.jsonl"
+  echo "measured $n"
+fi
+"""
+
+
+def test_detached_gpu_steps_outlive_the_call_and_the_next_call_waits_on_them(tmp_path):
+    """scripts/device_gpu.sh with DETACH=1, as on the GPU machine of the development device tool:
+    the steps run in a session of their own in a copy of the tree, so a call whose BUDGET ends
+    first returns while they go on; the same command again waits on the same process (not a
+    second one) and brings back every raw file they wrote, in the copy and not in the tree."""
+    fake = tmp_path / "python"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(0o755)
+    state = tmp_path / "state"
+    env = dict(os.environ, DETACH="1", WORK=str(state / "tree"), PYTHON=str(fake), FAKE_SECONDS="3")
+
+    def call(out, budget):
+        cmd = [ROOT / "scripts" / "device_gpu.sh", tmp_path / out, "miss", "install"]
+        return subprocess.run(
+            cmd, cwd=ROOT, env=dict(env, BUDGET=str(budget)), capture_output=True, text=True, timeout=120
+        )
+
+    first = call("out1", 12)
+    pid = (state / "pid").read_text().strip()
+    try:
+        assert "started the steps in a session of their own" in first.stdout
+        assert "still running" in first.stdout, first.stdout
+        os.kill(int(pid), 0)  # alive after the call returned
+        second = call("out2", 60)
+        assert f"waiting on the detached steps (process {pid})" in second.stdout
+        assert "the steps have ended" in second.stdout
+    finally:
+        subprocess.run(["kill", pid], capture_output=True)
+    listed = subprocess.run(["tar", "tzf", tmp_path / "out2" / "raw.tgz"], capture_output=True, text=True)
+    assert sorted(listed.stdout.split()) == ["results/raw/bench/fake/0.jsonl", "results/raw/bench/fake/1.jsonl"]
+    log = (tmp_path / "out2" / "log.txt").read_text()
+    assert "measured 0" in log and "measured 1" in log
+    assert not (ROOT / "results" / "raw" / "bench" / "fake").exists()

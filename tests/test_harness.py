@@ -314,6 +314,116 @@ def test_configurations_take_turns_and_the_log_says_where_the_time_went(monkeypa
     assert all(l.startswith("[titan]") and float(l.split()[1]) >= 0 for l in lines)
 
 
+class _Stopped(Exception):
+    """What a time limit's kill is to a sweep: it stops between two decodes."""
+
+
+def _counting_decode(order):
+    def decode(model, ids, tokens):
+        order.append((model, ids[0]))
+        return None, [{"phase": "decode", "seconds": 0.5, "hits": len(order)}]
+
+    return decode
+
+
+def test_a_stopped_sweep_resumes_at_the_repetition_it_had_not_finished(monkeypatch, tmp_path):
+    """The rerun of a sweep stopped in its second repetition takes the first from the checkpoint,
+    measures the second and the third in the order the first process would have, and removes
+    nothing it did not measure; another sweep's checkpoint is never read."""
+    from harness import online
+    from harness.checkpoint import Repetitions
+
+    order = []
+    monkeypatch.setattr(online, "decode", _counting_decode(order))
+    models, inputs, key = {("a", 1): "A", ("b", 2): "B"}, [[1], [2]], {"sweep": 1}
+    path = tmp_path / "partial" / "sweep.json"
+
+    class StopInSecond(Repetitions):
+        def save(self, reps):
+            super().save(reps)
+            monkeypatch.setattr(online, "decode", lambda *a: (_ for _ in ()).throw(_Stopped()))
+
+    with pytest.raises(_Stopped):
+        online.run_interleaved(models, inputs, 4, 3, checkpoint=StopInSecond(path, key))
+    first = list(order)
+    assert first == [("A", 1), ("A", 2), ("B", 1), ("B", 2)] and path.exists()
+
+    order.clear()
+    monkeypatch.setattr(online, "decode", _counting_decode(order))
+    reps = Repetitions(path, key)
+    accs = online.run_interleaved(models, inputs, 4, 3, checkpoint=reps)
+    assert reps.loaded == 1
+    # repetitions 2 and 3 in the turns the stopped process would have taken
+    assert order == [("B", 1), ("B", 2), ("A", 1), ("A", 2), ("A", 1), ("A", 2), ("B", 1), ("B", 2)]
+    # the first repetition is the stopped process's (its decodes were the 1st to 4th), the rest new
+    assert [a["hits"] for a in accs[("b", 2)]] == [3 + 4, 1 + 2, 7 + 8]
+    assert accs[("a", 1)][0]["hits"] == 1 + 2 and accs[("a", 1)][0]["seconds"] == 1.0
+
+    order.clear()
+    other = Repetitions(path, {"sweep": 2})  # other arguments, code or model files
+    online.run_interleaved(models, inputs, 4, 3, checkpoint=other)
+    assert other.loaded == 0 and len(order) == 3 * 4
+
+
+_SWEEP = """
+import sys, time
+from harness import checkpoint, online
+save = checkpoint.Repetitions.save
+def slow_save(self, reps):  # the second repetition cannot finish before the kill
+    save(self, reps)
+    print("saved", len(reps), flush=True)
+    if sys.argv[2] == "stop":
+        time.sleep(600)
+checkpoint.Repetitions.save = slow_save
+rows = online.sweep("olmoe-tiny-f32", "page_cache", "general", [16], ["none"], [1], 1, 4, repeats=2,
+                    checkpoint=sys.argv[1])
+print("rows", [(r["slots"], r["predictor"], r["repeats"], r["repeats_resumed"]) for r in rows], flush=True)
+"""
+
+
+def test_a_sweep_killed_in_its_second_repetition_is_measured_again_from_there(tmp_path):
+    """A real process killed (SIGKILL, as a time limit does) after its first repetition: the
+    rerun loads that repetition, measures the second, says so in each result, and removes the
+    checkpoint."""
+    path = tmp_path / "partial.json"
+    cmd = [sys.executable, "-c", _SWEEP, str(path)]
+    p = subprocess.Popen(cmd + ["stop"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "saved 1"
+    finally:
+        p.kill()
+        p.wait()
+    assert path.exists()
+    out = subprocess.run(cmd + ["go"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "1 repetitions already measured, resuming" in out.stderr
+    assert "saved 2" in out.stdout and not path.exists()
+    assert "rows [(64, 'mlx-lm', 2, 1), (64, 'none', 2, 1), (16, 'none', 2, 1)]" in out.stdout
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"key": {"sweep": 1}, "repetitions": [{'["a", 1]': {}}]})])
+def test_a_checkpoint_that_is_cut_or_lacks_a_configuration_is_measured_again(tmp_path, content):
+    from harness.checkpoint import Repetitions
+
+    path = tmp_path / "sweep.json"
+    path.write_text(content)
+    said = []
+    reps = Repetitions(path, {"sweep": 1}, say=said.append)
+    assert reps.load([("a", 1), ("b", 2)]) == [] and reps.loaded == 0
+    assert str(path) in said[0] and "afresh" in said[0]
+
+
+def test_a_models_fingerprint_changes_when_its_weights_are_written_again(tmp_path):
+    from harness.checkpoint import model_fingerprint
+
+    (tmp_path / "config.json").write_text("{}")
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(b"1234")
+    before = model_fingerprint(tmp_path)
+    assert model_fingerprint(tmp_path) == before
+    os.utime(w, ns=(1, 1))
+    assert model_fingerprint(tmp_path) != before
+
+
 def test_a_run_without_a_floor_joins_the_rows_at_floor_zero(tmp_path):
     """Gate C records before confidence floors have no min_prob: they ran at 0, so a newer run
     of the same configuration replaces them in the table rather than standing beside them."""

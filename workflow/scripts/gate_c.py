@@ -5,7 +5,12 @@ import sys
 sys.path.insert(0, snakemake.scriptdir)
 from _common import run_gate  # noqa: E402
 
+from engine.config import resources_dir  # noqa: E402
 from harness import online  # noqa: E402
+
+# Scratch for the repetitions a sweep stopped by a time limit had finished (harness.checkpoint):
+# the rerun of this job resumes there. One per output file.
+partial = resources_dir() / "partial" / (snakemake.output[0].replace("/", "__") + ".json")
 
 s, wc = snakemake.params.settings, snakemake.wildcards
 run_gate(
@@ -26,6 +31,7 @@ run_gate(
         size=s["predict_size"],
         repeats=s.get("repeats", 3),
         min_probs=s.get("min_probs", [0.0]),
+        checkpoint=partial,
         progress=lambda r: print(r, flush=True),
     ),
 )
