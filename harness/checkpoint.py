@@ -6,32 +6,18 @@ first one would have. What differs is the slots' contents at the first resumed r
 warm-up's, where a sweep that was not stopped has the previous repetition's.
 
 The file is scratch, never a result: it lives under the resources folder, is read only by a sweep
-whose key (its arguments, the code's commit, the engine's source and the model's files) is the
+whose key (its arguments, the code's commit, the engine's source and the model's digest) is the
 same, and is removed once the sweep's results are made. The records say how many of their
 repetitions an earlier process measured (`repeats_resumed`)."""
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 
-def model_fingerprint(path: Path) -> str:
-    """What identifies a model's files without reading its weights: its JSON files' bytes and its
-    weight files' names, sizes and modification times (a retrained model rewrites them)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
-        if f.suffix == ".json":
-            h.update(f.name.encode() + f.read_bytes())
-        elif f.suffix == ".safetensors":
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
-
-
 class Repetitions:
     """The repetitions a sweep has finished: `load()` those an earlier process of the same sweep
-    saved, `save(reps)` after each one, `clear()` once the record is written. A repetition is a
+    saved, `save(reps)` after each one, `clear()` once the sweep's results are made. A repetition is a
     dict from a configuration's name (any JSON value: the sweep's tuples) to its totals."""
 
     def __init__(self, path, key: dict, say=None):

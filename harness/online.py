@@ -14,7 +14,8 @@ from engine.models.registry import load_reference
 from engine.predict import predictors, prompts, simulate, trace
 from engine.predict.fitting import get_predictor
 from engine.runtime.loop import PEAKS, decode, model_bytes, totals
-from harness.checkpoint import Repetitions, model_fingerprint
+from engine.runtime.store import model_digest
+from harness.checkpoint import Repetitions
 from harness.provenance import code_digest, git_state
 
 
@@ -175,7 +176,7 @@ def sweep(
             min_probs=list(min_probs),
             code=git_state(),
             engine=code_digest(),
-            files=model_fingerprint(registry.model_dir(model_id)),
+            model_digest=model_digest(registry.model_dir(model_id)),  # a retrained model differs
         )
         reps = Repetitions(checkpoint, key, say=say)
     ref, tok, spec = load_reference(model_id)

@@ -31,4 +31,4 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
   --platform manylinux1_x86_64 -d "$dir" "${compiled[@]}"
 du -sh "$dir"
-echo "ready: carry $dir with the second setup call (docs/gpu.md, 'Running it on the development GPU')"
+echo "ready: carry $dir with the second setup call (docs/gpu.md, 'What is next')"

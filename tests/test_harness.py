@@ -412,16 +412,27 @@ def test_a_checkpoint_that_is_cut_or_lacks_a_configuration_is_measured_again(tmp
     assert str(path) in said[0] and "afresh" in said[0]
 
 
-def test_a_models_fingerprint_changes_when_its_weights_are_written_again(tmp_path):
-    from harness.checkpoint import model_fingerprint
+def test_a_sweeps_checkpoint_key_changes_when_the_model_is_trained_again(tmp_path):
+    """The key takes the store's model digest, whose build manifest holds the weights' sha256:
+    a retraining with the same shapes (a GPU one of the same seed) is another model."""
+    from engine.models import embedded
+    from engine.runtime.store import model_digest
 
     (tmp_path / "config.json").write_text("{}")
-    w = tmp_path / "model.safetensors"
-    w.write_bytes(b"1234")
-    before = model_fingerprint(tmp_path)
-    assert model_fingerprint(tmp_path) == before
-    os.utime(w, ns=(1, 1))
-    assert model_fingerprint(tmp_path) != before
+    embedded.write_safetensors(tmp_path / "model.safetensors", {"w": ("F32", (1,), b"1234")})
+    manifest = tmp_path / embedded.MANIFEST
+
+    def train():
+        manifest.write_text(
+            json.dumps({"files": {"model.safetensors": embedded.sha256_file(tmp_path / "model.safetensors")}})
+        )
+
+    train()
+    before = model_digest(tmp_path)
+    assert model_digest(tmp_path) == before
+    embedded.write_safetensors(tmp_path / "model.safetensors", {"w": ("F32", (1,), b"5678")})
+    train()
+    assert model_digest(tmp_path) != before
 
 
 def test_a_run_without_a_floor_joins_the_rows_at_floor_zero(tmp_path):
