@@ -65,22 +65,23 @@ def test_a_tokens_time_split_names_the_predictors_host_work(reference, fit_trace
     assert split["predict"] > 0 and split["total"] == pytest.approx(sum(v for k, v in split.items() if k != "total"))
 
 
-def test_the_probe_gets_each_tokens_moe_input_with_the_routers_indices(reference, fit_traces):
-    """At every decode layer the probe is handed the MoE input of the token being decoded (its
-    row, in float32, on the host), already read back in the synchronisation that brought the
-    router's indices: a second round trip to the device per layer is what made the probe's host
-    work cost more than its stall saving on the H200."""
+def test_the_probe_scores_each_token_on_the_device_with_the_routers_indices(reference, fit_traces):
+    """At every decode layer the probe is handed its scores of the token being decoded, computed
+    on the device from that token's MoE input and read back in the synchronisation that brought
+    the router's indices (on the H200, reading the MoE input back and scoring it on the host cost
+    the probe more than its stall saving). They are the host's scores of the same input to float32
+    rounding, and pick the same experts."""
     ref = reference("qwen3moe-tiny")
     pred = predictors.make("probe", 1, 8).fit(fit_traces("qwen3moe-tiny"))
     seen, handed = [], []
     predict = pred.predict
-    pred.predict = lambda ctx: seen.append((ctx.position, ctx.layer, ctx.hidden)) or predict(ctx)
+    pred.predict = lambda ctx: seen.append((ctx.position, ctx.layer, ctx.scores, ctx.hidden)) or predict(ctx)
 
     class Spy(Prefetcher):
-        def predict_and_issue(self, layer, experts, hidden, cache):
+        def predict_and_issue(self, layer, experts, scores, cache):
             if cache.rows == 1:
-                handed.append(hidden)
-            super().predict_and_issue(layer, experts, hidden, cache)
+                handed.append(scores)
+            super().predict_and_issue(layer, experts, scores, cache)
 
     eng = load("qwen3moe-tiny", EngineConfig(slots=32), prefetcher=Spy(pred, 1))
     layers = len(eng.tables)
@@ -91,14 +92,17 @@ def test_the_probe_gets_each_tokens_moe_input_with_the_routers_indices(reference
     model, _, _ = registry.load_reference("qwen3moe-tiny")
     tr = trace.record(model, ref["ids"], 6)
     assert tokens == tr["generated"]
-    assert handed and all(isinstance(h, np.ndarray) for h in handed)
+    assert handed and all(isinstance(s, np.ndarray) for s in handed)
     # every token decoded after the prompt, at every layer (the prefill predicts nothing)
     decoded = np.flatnonzero(tr["decode"])
-    assert sorted((p, l) for p, l, _ in seen) == [(p, l) for p in decoded for l in range(layers)]
-    for position, layer, hidden in seen:
-        assert hidden.dtype == np.float32 and hidden.shape == tr["hidden"].shape[-1:]
-        # the trace keeps the MoE input as float16; the same row cast alike is the same bytes
-        assert np.array_equal(hidden.astype(np.float16), tr["hidden"][position, layer])
+    assert sorted((p, l) for p, l, _, _ in seen) == [(p, l) for p in decoded for l in range(layers)]
+    for position, layer, scores, hidden in seen:
+        assert hidden is None  # the MoE input itself never comes back
+        assert scores.dtype == np.float32 and scores.shape == tr["probs"].shape[-1:]
+        # the trace keeps the MoE input as float16, the very values the device scored
+        host = pred.scores(layer, tr["hidden"][position, layer])
+        np.testing.assert_allclose(scores, host, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(predictors._top(scores, 8), predictors._top(host, 8))
 
 
 def test_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fit_traces):

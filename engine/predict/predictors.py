@@ -7,7 +7,8 @@ Fitted on traces of *fit* prompts, scored on traces of held-out *eval* prompts:
 - `transition`: counts of expert i at layer l and expert j at layer l+d in the same token
   (O(T L K^2) to fit), summed over this token's experts at layer l;
 - `probe`: one multi-label logistic regression per layer on the hidden state at layer l's
-  MoE input, trained with NumPy;
+  MoE input, trained with NumPy (or MLX on a GPU); while decoding, its scores are computed on
+  the device and come back with the router's indices (`Probe.device_scores`);
 - `oracle`: reads the trace of the very run (the upper bound).
 
 Depth wraps: from layer l, depth d targets layer (l + d) mod L of token t + (l + d) div L, so
@@ -42,8 +43,9 @@ class Context:
     target: int  # the layer whose experts are predicted
     offset: int  # 0: this token; 1: the next token
     experts: np.ndarray  # this token's experts at `layer`
-    hidden: np.ndarray | None  # this token's MoE input at `layer` (float32), if asked for
+    hidden: np.ndarray | None  # this token's MoE input at `layer` (float32), where a trace has it
     history: list  # per layer, the most recent expert set seen there (or None)
+    scores: np.ndarray | None = None  # the predictor's own scores, computed on the device
 
 
 def target_of(layer: int, depth: int, num_layers: int):
@@ -63,7 +65,9 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 class Predictor:
     name = "base"
-    needs_hidden = False
+    # A predictor that scores on the device (`device_scores`) while decoding: its scores come back
+    # in the synchronisation that brings the router's indices, as `Context.scores`.
+    scores_on_device = False
 
     def __init__(self, depth: int = 1, size: int = 8, min_prob: float = 0.0):
         if not 0.0 <= min_prob <= 1.0:
@@ -178,11 +182,17 @@ class Transition(Predictor):
 
 
 class Probe(Predictor):
-    """Per layer l, sigmoid(W h + b) over the experts of layer l+d (multi-label, BCE, Adam)."""
+    """Per layer l, sigmoid(W h + b) over the experts of layer l+d (multi-label, BCE, Adam).
+
+    Offline (traces) it scores on the host from the trace's MoE input; while decoding, on the
+    device (`device_scores`), so that only its E scores come back, with the router's indices,
+    rather than the D-wide MoE input to a host matrix product. The two agree to float32 rounding
+    (tests/test_prefetch.py pins that they pick the same experts)."""
 
     name = "probe"
-    needs_hidden = True
+    scores_on_device = True
     steps, lr, l2 = 300, 0.05, 1e-4
+    _device = None  # per layer, the state as MLX arrays (made at the first device_scores)
     backend = None  # numpy or mlx; None: by device (see _logistic)
 
     def fit(self, trace, seed: int = 0):
@@ -199,17 +209,30 @@ class Probe(Predictor):
             self.mean[l], self.std[l] = X.mean(0), X.std(0) + 1e-6
             X = (X - self.mean[l]) / self.std[l]
             self.W[l], self.b[l] = _logistic(X, Y, self.steps, self.lr, self.l2, self.backend)
+        self._device = None
         return self
 
     def scores(self, layer, hidden):
         x = (np.asarray(hidden, np.float32) - self.mean[layer]) / self.std[layer]
         return x @ self.W[layer] + self.b[layer]
 
+    def device_scores(self, layer: int, x: mx.array) -> mx.array:
+        """`scores` of the MoE input row `x` (any float dtype) as a lazy float32 MLX array, on
+        MLX's default device: nothing is evaluated here."""
+        if self._device is None:
+            self._device = [
+                tuple(mx.array(a[l]) for a in (self.mean, self.std, self.W, self.b)) for l in range(len(self.W))
+            ]
+        return _probe_scores(x, *self._device[layer])
+
+    def _scores_of(self, ctx):
+        return ctx.scores if ctx.scores is not None else self.scores(ctx.layer, ctx.hidden)
+
     def prob(self, ctx):
-        return _sigmoid(self.scores(ctx.layer, ctx.hidden))
+        return _sigmoid(self._scores_of(ctx))
 
     def predict(self, ctx):
-        scores = self.scores(ctx.layer, ctx.hidden)
+        scores = self._scores_of(ctx)
         return self._sure(_top(scores, self.size), lambda: _sigmoid(scores))
 
     def state(self):
@@ -217,6 +240,13 @@ class Probe(Predictor):
 
     def load_state(self, state):
         self.mean, self.std, self.W, self.b = state["mean"], state["std"], state["W"], state["b"]
+        self._device = None
+
+
+@mx.compile
+def _probe_scores(x, mean, std, W, b):
+    # compiled: the normalisation is one fused kernel ahead of the product
+    return ((x.astype(mx.float32) - mean) / std) @ W + b
 
 
 def _logistic(X, Y, steps, lr, l2, backend: str | None = None):

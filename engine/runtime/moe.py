@@ -156,9 +156,10 @@ class ExpertCache:
                 mx.eval(table.buffers)
         table.bytes_read += table.num_experts * self.store.expert_bytes
 
-    def ensure(self, layer: int, experts: np.ndarray, hidden=None, last=None):
+    def ensure(self, layer: int, experts: np.ndarray, scores=None, last=None):
         """Lines 11-14 of Algorithm 1 for the unique experts `experts` of this layer's rows;
-        `hidden` is the MoE input and `last` the last row's experts."""
+        `scores` are the predictor's device scores of a decode step (Prefetcher.scores_on_device)
+        and `last` the last row's experts."""
         table, st = self.tables[layer], self.stats
         # line 12: install finished prefetches; wait for in-flight experts we need (late)
         need = set(experts.tolist())
@@ -170,7 +171,7 @@ class ExpertCache:
         depth = self.prefetcher.depth
         onto_itself = depth > 0 and depth % len(self.tables) == 0
         if not onto_itself:
-            self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+            self.prefetcher.predict_and_issue(layer, experts, scores, self)
         self.history[layer] = experts if last is None else last
         # line 14: read the misses as one batch and install them
         resident = table.slot_of[experts] >= 0
@@ -182,7 +183,7 @@ class ExpertCache:
         if misses:
             self.read_misses(layer, misses, protected=set(experts.tolist()))
         if onto_itself:
-            self.prefetcher.predict_and_issue(layer, experts, hidden, self)
+            self.prefetcher.predict_and_issue(layer, experts, scores, self)
 
     def reserve(self, layer: int, experts, protected) -> list:
         """Destinations for prefetched reads of `experts` into `layer`, in order, as many as there
@@ -388,21 +389,25 @@ class SlotSwitchGLU(nn.Module):
             # line 9: slot e holds expert e; straight to the kernels, no host synchronisation
             return self.glu(x, indices)
         cache = self._cache
-        hidden = x
+        scores = None
         t0 = time.perf_counter()
-        if cache.prefetcher.needs_hidden and cache.rows == 1:
-            # A decode step's predictor reads the MoE input: it comes back with the router's
-            # indices in the same synchronisation rather than in a second round trip to the device.
-            hidden = x.reshape(-1, x.shape[-1])[-1].astype(mx.float32)
-            mx.eval(indices, hidden)
-            hidden = np.array(hidden)
-        idx = np.array(indices)  # line 11: the one unavoidable synchronisation
+        if cache.prefetcher.scores_on_device and cache.rows == 1:
+            # A decode step's predictor scores this token's MoE input on the device; its scores
+            # ride back in one array with the router's indices (their bits, as uint32), so the
+            # synchronisation reads back a few hundred bytes once rather than the MoE input.
+            ids = indices.reshape(-1).astype(mx.uint32)
+            s = cache.prefetcher.device_scores(self._layer, x.reshape(-1, x.shape[-1])[-1])
+            both = np.array(mx.concatenate([ids, mx.view(s, mx.uint32)]))
+            idx = both[: ids.size].reshape(indices.shape)
+            scores = both[ids.size :].view(np.float32)
+        else:
+            idx = np.array(indices)  # line 11: the one unavoidable synchronisation
         cache.stats.sync_s += time.perf_counter() - t0
         k, d = idx.shape[-1], x.shape[-1]
         flat = idx.reshape(-1, k)
         groups = row_chunks(flat, table.slots)
         if len(groups) == 1:
-            cache.ensure(self._layer, np.unique(flat), hidden, np.sort(flat[-1]))
+            cache.ensure(self._layer, np.unique(flat), scores, np.sort(flat[-1]))
             # lines 15-16: same kernel, same bytes as mlx-lm
             y = self.glu(x, mx.array(table.slot_indices(idx)))
             if cache.overlap:
@@ -415,7 +420,7 @@ class SlotSwitchGLU(nn.Module):
         xf = x.reshape(-1, d)
         outs = []
         for a, b in groups:
-            self._cache.ensure(self._layer, np.unique(flat[a:b]), xf[a:b], np.sort(flat[b - 1]))
+            self._cache.ensure(self._layer, np.unique(flat[a:b]), None, np.sort(flat[b - 1]))
             y = self.glu(xf[a:b], mx.array(table.slot_indices(flat[a:b])))
             mx.eval(y)
             outs.append(y)

@@ -1,7 +1,7 @@
 """Prefetching: the hooks Algorithm 1 calls at every MoE layer's host synchronisation.
 
 `ExpertCache.ensure(l, U)` calls `drain(l, U)` (line 12: wait for in-flight experts of U, cancel
-wasted reads not yet started) and then `predict_and_issue(l, U, hidden)` (line 13: predict
+wasted reads not yet started) and then `predict_and_issue(l, U, scores)` (line 13: predict
 layer l+d's experts and issue their reads on the store's reader threads) before the layer's
 misses are read and its kernels are dispatched, so the reads overlap the next d layers' compute.
 
@@ -25,12 +25,12 @@ class NoPrefetch:
     """Demand loading only: every hook does nothing."""
 
     depth = 0
-    needs_hidden = False
+    scores_on_device = False
 
     def drain(self, layer, need, can_abandon=False):
         return None
 
-    def predict_and_issue(self, layer, experts, hidden, cache):
+    def predict_and_issue(self, layer, experts, scores, cache):
         pass
 
     def close(self):
@@ -67,9 +67,13 @@ class Prefetcher:
         self.inflight = {}  # target layer -> {expert: Flight}
 
     @property
-    def needs_hidden(self) -> bool:
-        """Whether the predictor reads the MoE input at every decode step."""
-        return self.predictor.needs_hidden
+    def scores_on_device(self) -> bool:
+        """Whether the predictor scores each decode step's MoE input on the device."""
+        return self.predictor.scores_on_device
+
+    def device_scores(self, layer, x):
+        """The predictor's scores of layer `layer`'s MoE input row `x`, lazily on the device."""
+        return self.predictor.device_scores(layer, x)
 
     def drain(self, layer, need: set, can_abandon: bool = False) -> Drained | None:
         flights = self.inflight.pop(layer, None)
@@ -93,21 +97,20 @@ class Prefetcher:
             (out.failed if f.future.exception() is not None else out.arrived).append(f)
         return out
 
-    def predict_and_issue(self, layer, experts, hidden, cache):
+    def predict_and_issue(self, layer, experts, scores, cache):
         if cache.rows != 1:
             return  # prefill: one call over the whole prompt; nothing ahead to overlap
         t0 = time.perf_counter()
         try:
-            self._predict_and_issue(layer, experts, hidden, cache)
+            self._predict_and_issue(layer, experts, scores, cache)
         finally:
             cache.stats.predict_s += time.perf_counter() - t0
 
-    def _predict_and_issue(self, layer, experts, hidden, cache):
+    def _predict_and_issue(self, layer, experts, scores, cache):
         target, offset = target_of(layer, self.depth, len(cache.tables))
-        # A decode step's MoE input (float32, on the host): SlotSwitchGLU read it back with the
-        # router's indices because this prefetcher `needs_hidden`.
-        h = hidden if self.needs_hidden else None
-        ctx = Context(cache.position, layer, target, offset, experts, h, cache.history)
+        # `scores`: the predictor's scores of this decode step's MoE input, computed on the device
+        # and read back by SlotSwitchGLU with the router's indices (`scores_on_device`), else None.
+        ctx = Context(cache.position, layer, target, offset, experts, None, cache.history, scores)
         # A depth that wraps onto this very layer (depth a multiple of the layer count) fills the
         # table this layer is about to compute from: its experts must keep their slots.
         busy = experts if target == layer else ()
