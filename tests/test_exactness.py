@@ -1,10 +1,13 @@
 """The engine's logits equal mlx-lm's bit for bit, over the prefill and 32 decode steps, at
 every slot count, on both embedded architectures (float16 OLMoE, bfloat16 Qwen3-MoE)."""
 
+import numpy as np
 import pytest
 from conftest import MODELS, run_engine
 
-from engine import max_abs_diff
+from engine import EngineConfig, decode, load, max_abs_diff
+from engine.models import registry
+from engine.predict import trace
 from engine.runtime.moe import ExpertCache
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
@@ -40,6 +43,35 @@ def test_prefill_larger_than_table_is_chunked(reference):
     records, logits, _ = run_engine("qwen3moe-tiny", ref, slots=8)
     assert records[0]["phase"] == "prefill" and records[0]["chunks"] > 0
     assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+@pytest.mark.parametrize("slots", [8, 16])
+def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(reference, slots):
+    """A prompt whose rows route to more experts than S reads each of a layer's experts at most
+    once (the rows' choices batched by expert, not the rows cut into groups, where a row's experts
+    were read again whenever an earlier group had evicted them), and leaves resident the S
+    experts its latest rows used, as a table filled row by row under LRU would, so the first
+    decode step starts from the same experts; the logits stay mlx-lm's."""
+    ref = reference("qwen3moe-tiny")
+    model, _, _ = registry.load_reference("qwen3moe-tiny")
+    routed = trace.record(model, ref["ids"], 0)["experts"]  # (prompt rows, layers, K)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=slots))
+    try:
+        _, records, logits = decode(eng.model, ref["ids"], 0, keep_logits=True)
+        for layer, table in enumerate(eng.tables):
+            rows = routed[:, layer]
+            used = np.unique(rows)
+            assert len(used) > slots  # the prefill does not fit: the batched path ran
+            assert table.misses == len(used)  # an empty table: each expert read once
+            last_use = {int(e): max(r for r, row in enumerate(rows) if e in row) for e in used}
+            resident = {int(e) for e in np.flatnonzero(table.slot_of >= 0)}
+            assert len(resident) == slots and set(rows[-1].tolist()) <= resident
+            # none left out was used later than one kept (ties within a row go either way)
+            assert min(last_use[e] for e in resident) >= max(last_use[e] for e in set(last_use) - resident)
+    finally:
+        eng.close()
+    assert records[0]["chunks"] > 0
+    assert max_abs_diff(ref["logits"][:1], logits) == 0.0
 
 
 def test_full_table_never_synchronises(reference, monkeypatch):

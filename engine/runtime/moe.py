@@ -30,7 +30,7 @@ class StepStats:
     pread_s: float = 0.0  # summed over reader threads
     array_s: float = 0.0  # MLX arrays made from read records (copy mode)
     install_s: float = 0.0  # slot bookkeeping and buffer writes
-    chunks: int = 0  # extra row groups when one layer's rows need more experts than slots
+    chunks: int = 0  # extra expert batches when one layer's rows need more experts than slots
     issued: int = 0  # prefetches issued
     useful: int = 0  # prefetched experts the target layer then used
     wasted: int = 0  # prefetched experts it did not use (cancelled ones included)
@@ -357,18 +357,18 @@ class ExpertCache:
             self.staging = None
 
 
-def row_chunks(indices: np.ndarray, slots: int):
-    """Split rows (R x K) into consecutive groups whose unique experts fit in `slots`.
-    Decode (one row) is always one group; a long prefill on a small table may need several."""
-    groups, start, seen = [], 0, set()
-    for r, row in enumerate(indices):
-        new = seen | set(row.tolist())
-        if len(new) > slots and r > start:
-            groups.append((start, r))
-            start, new = r, set(row.tolist())
-        seen = new
-    groups.append((start, len(indices)))
-    return groups
+def expert_batches(indices: np.ndarray, slots: int) -> list:
+    """The unique experts of rows `indices` (R x K) in batches of at most `slots`, in the order of
+    each expert's last use, the last batch full: it holds the experts the latest rows used, which is
+    what a table filled row by row under LRU would keep for the next token. Each expert is in one
+    batch, so a prefill reads it at most once per layer, however the rows interleave."""
+    flat = indices.reshape(-1)
+    last = np.full(int(flat.max()) + 1, -1)
+    np.maximum.at(last, flat, np.repeat(np.arange(len(indices)), indices.shape[-1]))
+    experts = np.unique(flat)
+    order = experts[np.argsort(last[experts], kind="stable")]
+    cuts = list(range(len(order) % slots, len(order), slots))
+    return [b for b in np.split(order, cuts) if len(b)]
 
 
 class SlotSwitchGLU(nn.Module):
@@ -405,9 +405,9 @@ class SlotSwitchGLU(nn.Module):
         cache.stats.sync_s += time.perf_counter() - t0
         k, d = idx.shape[-1], x.shape[-1]
         flat = idx.reshape(-1, k)
-        groups = row_chunks(flat, table.slots)
-        if len(groups) == 1:
-            cache.ensure(self._layer, np.unique(flat), scores, np.sort(flat[-1]))
+        experts = np.unique(flat)
+        if len(experts) <= table.slots:
+            cache.ensure(self._layer, experts, scores, np.sort(flat[-1]))
             # lines 15-16: same kernel, same bytes as mlx-lm
             y = self.glu(x, mx.array(table.slot_indices(idx)))
             if cache.overlap:
@@ -415,17 +415,26 @@ class SlotSwitchGLU(nn.Module):
                 # meanwhile, instead of the two taking turns at every synchronisation.
                 mx.async_eval(y)
             return y
-        # More experts than slots among these rows (a long prefill on a small table): each
-        # group runs on its own and is evaluated before the next one reuses the slots.
+        # More experts than slots among these rows (a prefill on a small table): the experts in
+        # batches that fit (expert_batches), each batch's (row, choice) pairs computed as rows of
+        # their own by the same SwitchGLU, evaluated before the next batch reuses the slots, and
+        # put back in the router's order. Each output row is its expert's function of its input
+        # row alone, so the bytes are mlx-lm's; each expert is read at most once.
+        pairs = flat.reshape(-1)
+        rows = np.repeat(np.arange(len(flat)), k)
         xf = x.reshape(-1, d)
-        outs = []
-        for a, b in groups:
-            self._cache.ensure(self._layer, np.unique(flat[a:b]), None, np.sort(flat[b - 1]))
-            y = self.glu(xf[a:b], mx.array(table.slot_indices(flat[a:b])))
+        outs, where = [], []
+        batches = expert_batches(flat, table.slots)
+        for batch in batches:
+            cache.ensure(self._layer, np.sort(batch), None, np.sort(flat[-1]))
+            at = np.flatnonzero(np.isin(pairs, batch))
+            y = self.glu(xf[mx.array(rows[at])], mx.array(table.slot_indices(pairs[at])[:, None]))
             mx.eval(y)
-            outs.append(y)
-        self._cache.stats.chunks += len(groups) - 1
-        return mx.concatenate(outs, axis=0).reshape(*idx.shape, d)
+            outs.append(y.reshape(-1, d))
+            where.append(at)
+        cache.stats.chunks += len(batches) - 1
+        back = mx.array(np.argsort(np.concatenate(where)))
+        return mx.concatenate(outs, axis=0)[back].reshape(*idx.shape, d)
 
 
 def engine_layers(model) -> list:
