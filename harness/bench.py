@@ -41,6 +41,13 @@ def add_args(p):
         help="model id (default: olmoe-tiny-f32 for throughput, olmoe-1b-7b-shape for miss/install)",
     )
     p.add_argument("--tokens", type=positive, default=32, help="throughput: tokens per decode")
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive,
+        default=None,
+        help="throughput: a prompt of this many tokens, the --set eval prompts joined "
+        "(default: one sentence); its prefill is measured too",
+    )
     p.add_argument("--repeats", type=positive, default=5, help="interleaved repetitions")
     p.add_argument("--slots", type=positive, nargs="*", default=[], help="throughput: also run the engine at these S")
     p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
@@ -87,7 +94,9 @@ def add_args(p):
     )
     p.add_argument("--depths", type=positive, nargs="+", default=[1, 2, 3], help="prefetch: depths")
     p.add_argument("--prompts", type=positive, default=4, help="prefetch: eval prompts of --set to decode")
-    p.add_argument("--set", choices=["general", "code"], default="general", help="prefetch: prompt set")
+    p.add_argument(
+        "--set", choices=["general", "code"], default="general", help="prefetch, --prompt-tokens: prompt set"
+    )
     p.add_argument(
         "--min-probs",
         type=probability,
@@ -130,9 +139,10 @@ def throughput(a):
             for ov in overlaps:
                 key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("" if ov else "/serial")
                 engines[key] = load(mid, EngineConfig(slots=s, tier=a.tier, install=inst, overlap=ov))
-    ids = tok.encode("The Python language reference describes the syntax and semantics of the language.")
+    ids = prompt_ids(tok, a.prompt_tokens, a.set)
     models = {**({"mlx-lm": ref} if resident else {}), **{k: e.model for k, e in engines.items()}}
     runs = {k: [] for k in models}
+    prefill = {k: [] for k in models}  # each run's prefill: (tok/s, bytes read)
     splits = {k: [] for k in models}
     grown = dict.fromkeys(models, 0)
     for m in models.values():  # warm-up: first-call compilation
@@ -142,6 +152,7 @@ def throughput(a):
         for k in names[i % len(names) :] + names[: i % len(names)]:
             recs = decode(models[k], ids, a.tokens)[1]
             runs[k].append(summarize(recs)["tok_s"])
+            prefill[k].append((recs[0]["rows"] / recs[0]["seconds"], recs[0].get("bytes_read", 0)))
             splits[k].append(time_split(recs))
             grown[k] = max(grown[k], totals(recs)["decode_memory_bytes"] or 0)
     hit_rate = {
@@ -162,6 +173,12 @@ def throughput(a):
         tok_s=res,
         tok_s_runs=runs,
         tok_s_spread={k: _spread(v) for k, v in runs.items()},
+        prompt_tokens=len(ids),
+        # A prefill at S < E reads experts (the same prompt after every decode, so what the
+        # previous decode left resident is read again or not): its speed and bytes read.
+        prefill_tok_s={k: _median([p[0] for p in v]) for k, v in prefill.items()},
+        prefill_tok_s_spread={k: _spread([p[0] for p in v]) for k, v in prefill.items()},
+        prefill_bytes_read={k: _median([p[1] for p in v]) for k, v in prefill.items()},
         resident=resident,
         resident_note=why,
         ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"] if resident else None,
@@ -184,11 +201,27 @@ def throughput(a):
         )
         if k in split and k not in ("mlx-lm", "S=E"):
             print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in split[k].items()))
+        pf = out["prefill_tok_s_spread"][k]
+        print(
+            f"      prefill of {len(ids)} tokens: {pf['median']:.1f} tok/s [{pf['min']:.1f}, {pf['max']:.1f}], "
+            f"{out['prefill_bytes_read'][k] / 1e6:.1f} MB read"
+        )
     if resident:
         print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
     else:
         print(f"  no resident decoding: {why}")
     return out
+
+
+def prompt_ids(tok, n: int | None, prompt_set: str) -> list:
+    """The throughput bench's prompt: one sentence, or the first `n` tokens of `prompt_set`'s
+    eval prompts joined."""
+    if n is None:
+        return tok.encode("The Python language reference describes the syntax and semantics of the language.")
+    ids = tok.encode("\n\n".join(p["text"] for p in prompts.load(prompt_set, "eval")))
+    if len(ids) < n:
+        raise SystemExit(f"--prompt-tokens {n}: the {prompt_set} eval prompts make only {len(ids)} tokens")
+    return ids[:n]
 
 
 def resident_fits(model_id: str, choice: str = "auto"):
