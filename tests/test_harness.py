@@ -591,9 +591,14 @@ def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
             tok_s_spread={"S=16": {"min": 38.0, "max": 44.0}},
             memory_bytes={"S=16": 1.24e9, "S=E": 3.96e9},
             install={"S=16": "pinned", "S=E": "pinned"},
+            prefill_tok_s={"S=16": 610.0},
+            prefill_bytes_read={"S=16": 7.9e6},
         ),
     )
     df = aggregate.bench_table([old, new]).set_index("figure")
+    # a prefill measured beside the decode (runs before it was measured have none)
+    assert df.loc["prefill_tok_s[S=16/pinned]", "value"] == 610.0
+    assert df.loc["prefill_bytes_read[S=16/pinned]", "value"] == 7.9e6 and "prefill_tok_s[S=16/copy]" not in df.index
     assert df.loc["tok_s[S=16/copy]", ["value", "runs"]].tolist() == [18.0, 1]
     assert df.loc["tok_s[S=16/pinned]", ["value", "runs"]].tolist() == [42.0, 1]
     assert df.loc["tok_s_min[S=16/pinned]", "value"] == 38.0 and df.loc["memory_bytes[S=16/pinned]", "value"] == 1.24e9

@@ -296,6 +296,9 @@ def bench_table(recs):
                 figs[f"tok_s_min[{k_(k)}]"], figs[f"tok_s_max[{k_(k)}]"] = sp["min"], sp["max"]
             figs.update({f"x resident[{k_(k)}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
             figs.update({f"memory_bytes[{k_(k)}]": v for k, v in res.get("memory_bytes", {}).items()})
+            # a prompt's prefill (records since it was measured): its speed and what it read
+            figs.update({f"prefill_tok_s[{k_(k)}]": v for k, v in res.get("prefill_tok_s", {}).items()})
+            figs.update({f"prefill_bytes_read[{k_(k)}]": v for k, v in res.get("prefill_bytes_read", {}).items()})
             if res.get("ratio_engine_full_vs_mlx_lm") is not None:  # None: not decoded resident
                 figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
         elif base["bench"] == "miss":
