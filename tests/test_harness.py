@@ -520,13 +520,20 @@ def test_a_model_that_does_not_fit_is_measured_at_its_slots_only(capsys):
         tokens=3,
         repeats=1,
         resident="no",
+        prompt_tokens=40,
+        set="code",
     )
     out = bench.throughput(a)
     assert set(out["tok_s"]) == {"S=16"} and out["resident"] is False
+    # the prompt's prefill, measured beside the decode: 40 tokens route to more than 16 experts
+    assert out["prompt_tokens"] == 40 and out["prefill_tok_s"]["S=16"] > 0
+    assert out["prefill_bytes_read"]["S=16"] > 0
     assert out["ratio_vs_resident"] == {} and out["ratio_engine_full_vs_mlx_lm"] is None
     assert "no resident decoding: weights" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nothing to measure"):
         bench.throughput(argparse.Namespace(**dict(vars(a), slots=[])))
+    with pytest.raises(SystemExit, match="--prompt-tokens 100000: the code eval prompts make only"):
+        bench.throughput(argparse.Namespace(**dict(vars(a), prompt_tokens=100_000)))
 
 
 def _gate_c_row(slots, predictor, tok_s, depth=1, min_prob=0.0, **more):
