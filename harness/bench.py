@@ -132,6 +132,7 @@ def throughput(a):
         print(f"[titan] {mid}: no resident decoding ({why})", file=sys.stderr, flush=True)
         tok = registry.load(mid, lazy=True)[1]
         engines = {}
+    ids = prompt_ids(tok, a.prompt_tokens, a.set)  # before the offloaded engines load: a bad option wastes little
     installs = a.installs or ["auto"]
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
     for s in a.slots:
@@ -139,7 +140,6 @@ def throughput(a):
             for ov in overlaps:
                 key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("" if ov else "/serial")
                 engines[key] = load(mid, EngineConfig(slots=s, tier=a.tier, install=inst, overlap=ov))
-    ids = prompt_ids(tok, a.prompt_tokens, a.set)
     models = {**({"mlx-lm": ref} if resident else {}), **{k: e.model for k, e in engines.items()}}
     runs = {k: [] for k in models}
     prefill = {k: [] for k in models}  # each run's prefill: (tok/s, bytes read)

@@ -38,7 +38,7 @@ def test_cold_tier_bit_identical(reference):
 
 
 def test_prefill_larger_than_table_is_chunked(reference):
-    """A prompt whose rows route to more experts than S runs in row groups, still exactly."""
+    """A prompt whose rows route to more experts than S runs in batches of experts, still exactly."""
     ref = reference("qwen3moe-tiny")
     records, logits, _ = run_engine("qwen3moe-tiny", ref, slots=8)
     assert records[0]["phase"] == "prefill" and records[0]["chunks"] > 0

@@ -405,9 +405,9 @@ class SlotSwitchGLU(nn.Module):
         cache.stats.sync_s += time.perf_counter() - t0
         k, d = idx.shape[-1], x.shape[-1]
         flat = idx.reshape(-1, k)
-        experts = np.unique(flat)
+        experts, last = np.unique(flat), np.sort(flat[-1])
         if len(experts) <= table.slots:
-            cache.ensure(self._layer, experts, scores, np.sort(flat[-1]))
+            cache.ensure(self._layer, experts, scores, last)
             # lines 15-16: same kernel, same bytes as mlx-lm
             y = self.glu(x, mx.array(table.slot_indices(idx)))
             if cache.overlap:
@@ -426,7 +426,7 @@ class SlotSwitchGLU(nn.Module):
         outs, where = [], []
         batches = expert_batches(flat, table.slots)
         for batch in batches:
-            cache.ensure(self._layer, np.sort(batch), None, np.sort(flat[-1]))
+            cache.ensure(self._layer, np.sort(batch), None, last)
             at = np.flatnonzero(np.isin(pairs, batch))
             y = self.glu(xf[mx.array(rows[at])], mx.array(table.slot_indices(pairs[at])[:, None]))
             mx.eval(y)
