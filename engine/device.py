@@ -25,6 +25,16 @@ def kind() -> str:
     return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
 
 
+def rows_alike(device_kind: str | None = None) -> bool:
+    """Whether MLX computes each (row, expert) pair of `gather_qmm` alike whatever else the call
+    holds, so that a prefill may hand it fewer pairs than mlx-lm does and stay bit-exact
+    (moe.prefill_calls). On the CPU it does (tests/test_exactness.py pins it). On CUDA the kernel
+    depends on the call's number of pairs (`GatherQMM::eval_gpu`: a vector kernel below eight, a
+    tiled one from eight), and on Metal on pairs per expert of the weight stack; there the engine
+    keeps mlx-lm's shapes."""
+    return (device_kind or kind()) == "cpu"
+
+
 def pinned_unavailable() -> str | None:
     """Why the pinned install path cannot run here (None: it can)."""
     return staging.unavailable_reason()

@@ -3,6 +3,8 @@
 python -m harness bench throughput|miss|install|prefetch [--record]
 python -m harness train olmoe-trained        # trains, and writes the loss curve as a raw record
 python -m harness probe                      # this machine's full environment probe (never committed)
+python -m harness suite [--shards N] [ARGS]  # the test suite as a raw record naming the engine/ tree
+python -m harness suite --check              # whether the landed engine/ tree has a passing GPU record
 """
 
 import argparse
@@ -11,7 +13,7 @@ import sys
 from engine.cli import ERRORS
 from engine.models import registry, train
 
-from . import bench, inventory, provenance, rawlog
+from . import bench, inventory, provenance, rawlog, suite
 
 
 def cmd_bench(a):
@@ -59,6 +61,9 @@ def main(argv=None):
     p = sub.add_parser("probe", help="write this machine's full environment probe (kept out of version control)")
     p.add_argument("--out", default=None, help="file to write (default: <resources>/probes/<host alias>.json)")
     p.set_defaults(fn=cmd_probe)
+    p = sub.add_parser("suite", help="run the test suite and record it (tests/suite), naming the engine/ tree")
+    suite.add_args(p)
+    p.set_defaults(fn=suite.main)
     a = ap.parse_args(argv)
     try:
         a.fn(a)

@@ -5,7 +5,8 @@
 # run the same steps.
 #
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
-#   steps: tests (the pinned path's and the exactness tests, the probe's device scores), build (the full-size model and its
+#   steps: tests (the whole test suite in SHARDS processes, default 8, or the TESTS named, recorded as
+#   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), build (the full-size model and its
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
@@ -97,8 +98,7 @@ log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_d
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for step in "$@"; do
   case $step in
-    tests) run $py -m pytest -q -x -p no:cacheprovider tests/test_staging.py tests/test_exactness.py \
-             tests/test_prefetch.py::test_the_probe_scores_each_token_on_the_device_with_the_routers_indices ;;
+    tests) run $py -m harness suite --shards "${SHARDS:-8}" ${TESTS:-tests} ;;  # the record: results/raw/tests/suite
     build) run $py -m engine store build $full ;;
     miss) run $py -m harness bench miss --repeats 2 --readers 4 --batch 1 8 --record ;;
     throughput) run $py -m harness bench throughput --model $full --tokens 32 --repeats 7 --slots 16 32 \

@@ -21,6 +21,10 @@ MODELS = {"olmoe-tiny": dict(experts=64, top_k=8), "qwen3moe-tiny": dict(experts
 ON_GPU = device.kind() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-only: needs MLX computing on a GPU")
 cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU-only: checks what the CPU backend does")
+# A copy of the tree without its history (the GPU machine's) cannot run what needs git.
+needs_git = pytest.mark.skipif(
+    not (ROOT / ".git").exists(), reason="needs the repository's git history; this copy of the tree has no .git"
+)
 
 
 @pytest.fixture(scope="session")

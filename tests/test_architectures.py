@@ -45,6 +45,8 @@ def test_architecture_offloaded_bit_exact(model_id):
     model, tok, _ = load_reference(model_id)
     ids = tok.encode(PROMPT)
     tokens, _, ref = decode(model, ids, STEPS, keep_logits=True)
+    _, _, again = decode(model, ids, STEPS, forced=tokens, keep_logits=True)
+    assert max_abs_diff(ref, again) == 0.0, "mlx-lm itself gives other logits when run again here"
     block = moe_blocks(model)[0]
     E, K = expert_params(block.switch)[0][1].shape[0], top_k_of(model, block)
     assert K is not None and K < E, (E, K)
@@ -61,6 +63,33 @@ def test_architecture_offloaded_bit_exact(model_id):
     eng = load(model_id, EngineConfig(slots=K))
     try:
         got = [r.token for r in mlx_lm.stream_generate(eng.model, eng.tokenizer, PROMPT, max_tokens=STEPS)]
+    finally:
+        eng.close()
+    assert got == want
+
+
+LONG = [("tiny-exaone-moe", "E", "copy"), ("tiny-exaone-moe", "K", "auto"), ("tiny-deepseek", "K", "auto"),
+        ("tiny-bailing-moe-linear", "E", "auto"), ("tiny-qwen3-moe", "K", "copy")]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_id,which,install", LONG)
+def test_a_long_prompt_gives_mlx_lms_greedy_tokens(model_id, which, install):
+    """A 300-token prompt (a prefill of many rows, on a table of every expert or of top-k slots)
+    through mlx-lm's own stream_generate: the engine's greedy tokens are plain mlx-lm's. (On the
+    H200 at c505412 these differed for tiny-exaone-moe at S = E, copy install, and tiny-deepseek
+    at S = top-k; issue 28.)"""
+    if model_id not in ARCHS:
+        pytest.skip(f"{model_id} is not registered")
+    model, tok, _ = load_reference(model_id)
+    text = " ".join(["def f(x): return x * 2 if x > 0 else -x"] * 40)
+    ids = tok.encode(text)[:300]
+    assert len(ids) == 300
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, ids, max_tokens=8)]
+    block = moe_blocks(model)[0]
+    E, K = expert_params(block.switch)[0][1].shape[0], top_k_of(model, block)
+    eng = load(model_id, EngineConfig(slots=E if which == "E" else K, install=install))
+    try:
+        got = [r.token for r in mlx_lm.stream_generate(eng.model, eng.tokenizer, ids, max_tokens=8)]
     finally:
         eng.close()
     assert got == want

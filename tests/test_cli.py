@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, needs_git
 
 
 def run(*args, module="engine", cwd=ROOT):
@@ -122,6 +122,7 @@ def test_a_users_models_file_extends_the_registry(tmp_path):
     assert {"my-tiny", "olmoe-tiny", "qwen3moe-tiny"} <= ids  # the packaged models stay
 
 
+@needs_git
 def test_two_commits_run_side_by_side_alternating_and_keep_their_records(tmp_path):
     """scripts/ab_commits.sh: each run executes in its own commit's tree, the order alternates so
     that drift falls on both, and the raw records the runs write come back into this checkout.
@@ -146,6 +147,7 @@ def test_two_commits_run_side_by_side_alternating_and_keep_their_records(tmp_pat
         shutil.rmtree(kept, ignore_errors=True)
 
 
+@needs_git
 def test_side_by_side_needs_a_count():
     out = subprocess.run(
         [ROOT / "scripts" / "ab_commits.sh", "HEAD", "HEAD", "x", "--", "true"], capture_output=True, text=True

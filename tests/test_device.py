@@ -8,8 +8,9 @@ import os
 import stat
 
 import mlx.core as mx
+import numpy as np
 import pytest
-from conftest import run_engine
+from conftest import needs_git, run_engine
 
 from engine import EngineConfig, device, load, max_abs_diff
 from engine.runtime import moe
@@ -95,6 +96,7 @@ def test_gpu_provenance_from_nvidia_smi(tmp_path, monkeypatch):
     assert provenance.nvidia() == dict(gpu="NVIDIA H200", driver="580.159.04", gpu_memory="143771 MiB", cuda="13.0")
 
 
+@needs_git
 def test_commit_sent_with_a_copied_tree_wins(monkeypatch):
     monkeypatch.setenv("TITAN_COMMIT", "b1c4041b313673fb587edb384f8b55888d2cc96b")
     monkeypatch.setenv("TITAN_DIRTY", "0")
@@ -119,3 +121,26 @@ def test_install_bench_diagnoses_on_any_device(capsys):
     ):
         assert out["diagnosis_ms"][k] > 0
     json.dumps(out)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_rows_alike_says_what_the_backend_computes(dtype):
+    """`device.rows_alike()` is what this backend does: whether `gather_qmm` computes a (row,
+    expert) pair alike in a call of any number of pairs (1 to 24 here) and in one of 64. The CPU
+    does, so a prefill may hand it compact calls; MLX's CUDA kernel does not (below eight pairs it
+    takes a vector kernel whose sums round differently), so there the engine keeps mlx-lm's shapes
+    (moe.prefill_calls). Should CUDA start to agree, this fails and says the caution can go."""
+    dt = getattr(mx, dtype)
+    mx.random.seed(3)
+    w = mx.random.normal((16, 256, 128)).astype(dt) * 0.05
+    wq, scales, biases = mx.quantize(w, 64, 4)
+    x = mx.random.normal((64, 1, 128)).astype(dt)
+    idx = mx.array(np.random.default_rng(3).integers(0, 16, 64).astype(np.uint32))
+
+    def call(n):
+        y = mx.gather_qmm(x[:n], wq, scales, biases, rhs_indices=idx[:n], transpose=True, group_size=64, bits=4)
+        return np.array(y.astype(mx.float32))
+
+    full = call(64)
+    alike = [bool((call(n) == full[:n]).all()) for n in range(1, 25)]
+    assert all(alike) == device.rows_alike(), alike

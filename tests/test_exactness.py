@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 from conftest import MODELS, run_engine
 
-from engine import EngineConfig, decode, load, max_abs_diff
+from engine import EngineConfig, decode, device, load, max_abs_diff
 from engine.models import registry
 from engine.predict import trace
+from engine.runtime import moe
 from engine.runtime.moe import ExpertCache
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
@@ -37,7 +38,17 @@ def test_cold_tier_bit_identical(reference):
     assert max_abs_diff(ref["logits"], logits) == 0.0
 
 
-def test_prefill_larger_than_table_is_chunked(reference):
+@pytest.fixture(params=["compact", "mlx-lm's shapes"])
+def arrangement(request, monkeypatch):
+    """Both ways a prefill on a small table is computed (moe.prefill_calls), whatever this backend
+    picks: the compact calls the CPU takes, and the calls in mlx-lm's own shapes that CUDA needs
+    (there the compact ones differ from mlx-lm's logits by up to 0.069, issue 28), so that the
+    CPU run checks the arithmetic of the GPU's arrangement too."""
+    monkeypatch.setattr(device, "rows_alike", lambda *a: request.param == "compact")
+    return request.param
+
+
+def test_prefill_larger_than_table_is_chunked(reference, arrangement):
     """A prompt whose rows route to more experts than S runs in batches of experts, still exactly."""
     ref = reference("qwen3moe-tiny")
     records, logits, _ = run_engine("qwen3moe-tiny", ref, slots=8)
@@ -46,7 +57,7 @@ def test_prefill_larger_than_table_is_chunked(reference):
 
 
 @pytest.mark.parametrize("slots", [8, 16])
-def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(reference, slots):
+def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(reference, slots, arrangement):
     """A prompt whose rows route to more experts than S reads each of a layer's experts at most
     once (the rows' choices batched by expert, not the rows cut into groups, where a row's experts
     were read again whenever an earlier group had evicted them), and leaves resident the S
@@ -72,6 +83,40 @@ def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(
         eng.close()
     assert records[0]["chunks"] > 0
     assert max_abs_diff(ref["logits"][:1], logits) == 0.0
+
+
+def test_which_pairs_go_to_which_call(reference, arrangement, monkeypatch):
+    """The arrangement itself: every (row, choice) pair of a layer is computed by exactly one call,
+    the call of the batch that holds its expert; compact calls take just those pairs, as rows of
+    their own; the others take mlx-lm's own shapes (the MoE block's input and the router's
+    indices), so that a backend whose kernel depends on the call's size computes what mlx-lm does."""
+    ref = reference("qwen3moe-tiny")
+    rows, K = len(ref["ids"]), 8
+    calls, shapes = [], []
+    planned = moe.prefill_calls
+    monkeypatch.setattr(
+        moe, "prefill_calls", lambda idx, *a: calls.append((idx.reshape(-1), planned(idx, *a))) or calls[-1][1]
+    )
+    eng = load("qwen3moe-tiny", EngineConfig(slots=8))
+    try:
+        for m in moe.engine_layers(eng.model):
+            inner = m.glu
+            m.glu = lambda x, i, inner=inner: shapes.append((x.shape, i.shape)) or inner(x, i)
+        decode(eng.model, ref["ids"], 0)
+    finally:
+        eng.close()
+    assert len(calls) == len(eng.tables)  # one plan per layer
+    for flat, plan in calls:
+        covered = np.concatenate([c.pairs for c in plan])
+        assert sorted(covered.tolist()) == list(range(rows * K))  # each pair once
+        for c in plan:
+            assert set(flat[c.pairs].tolist()) == set(c.experts.tolist())  # its batch's pairs, all of them
+            assert len(c.experts) <= 8 and c.compact == (arrangement == "compact")
+    if arrangement == "compact":
+        assert sum(ix[0] for _, ix in shapes) == rows * K * len(calls)
+        assert all(ix[1:] == (1,) for _, ix in shapes)
+    else:
+        assert all(xs[:2] == (1, rows) and ix == (1, rows, K) for xs, ix in shapes)
 
 
 def test_full_table_never_synchronises(reference, monkeypatch):

@@ -371,6 +371,29 @@ def expert_batches(indices: np.ndarray, slots: int) -> list:
     return [b for b in np.split(order, cuts) if len(b)]
 
 
+@dataclass
+class PrefillCall:
+    """One call of mlx-lm's SwitchGLU in a prefill whose rows need more experts than slots: the
+    experts it makes resident first, and which of the layer's (row, choice) pairs it computes.
+    `compact`: only those pairs go in, as rows of their own; otherwise the call takes every pair, in
+    mlx-lm's own shapes, and only `pairs`' results are kept (the others point at a resident slot)."""
+
+    experts: np.ndarray
+    pairs: np.ndarray  # flat indices into the layer's (rows x K) choices
+    compact: bool
+
+
+def prefill_calls(indices: np.ndarray, slots: int, compact: bool) -> list:
+    """How a prefill on a small table is computed: one call per expert batch (expert_batches), each
+    expert read once. Compact calls hand the kernel fewer (row, choice) pairs than mlx-lm's call,
+    which is exact only where the backend computes every pair alike whatever the call holds
+    (engine.device.rows_alike: MLX's CPU). On CUDA `gather_qmm` picks its kernel by the number of
+    pairs (a vector kernel below eight, a tiled one from eight: their sums round differently), so
+    there every call has mlx-lm's shapes and costs a full layer's compute, not a batch's."""
+    flat = indices.reshape(-1)
+    return [PrefillCall(b, np.flatnonzero(np.isin(flat, b)), compact) for b in expert_batches(indices, slots)]
+
+
 class SlotSwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU (or SwitchMLP) computing over a slot table (lines 9-16 of Algorithm 1)."""
 
@@ -416,25 +439,35 @@ class SlotSwitchGLU(nn.Module):
                 mx.async_eval(y)
             return y
         # More experts than slots among these rows (a prefill on a small table): the experts in
-        # batches that fit (expert_batches), each batch's (row, choice) pairs computed as rows of
-        # their own by the same SwitchGLU, evaluated before the next batch reuses the slots, and
-        # put back in the router's order. Each output row is its expert's function of its input
-        # row alone, so the bytes are mlx-lm's; each expert is read at most once.
+        # batches that fit, each read once, each batch's pairs computed by the same SwitchGLU and
+        # evaluated before the next batch reuses the slots (prefill_calls says which pairs go in).
+        # Each output pair is its expert's function of its input row alone, so the bytes are mlx-lm's.
+        calls = prefill_calls(flat, table.slots, device.rows_alike())
         pairs = flat.reshape(-1)
-        rows = np.repeat(np.arange(len(flat)), k)
-        xf = x.reshape(-1, d)
-        outs, where = [], []
-        batches = expert_batches(flat, table.slots)
-        for batch in batches:
-            cache.ensure(self._layer, np.sort(batch), None, last)
-            at = np.flatnonzero(np.isin(pairs, batch))
-            y = self.glu(xf[mx.array(rows[at])], mx.array(table.slot_indices(pairs[at])[:, None]))
-            mx.eval(y)
-            outs.append(y.reshape(-1, d))
-            where.append(at)
-        cache.stats.chunks += len(batches) - 1
-        back = mx.array(np.argsort(np.concatenate(where)))
-        return mx.concatenate(outs, axis=0)[back].reshape(*idx.shape, d)
+        dtype = np.uint8 if table.slots <= 256 else np.uint32
+        parts, out = [], None
+        for call in calls:
+            cache.ensure(self._layer, np.sort(call.experts), None, last)
+            if call.compact:
+                y = self.glu(
+                    x.reshape(-1, d)[mx.array(call.pairs // k)],
+                    mx.array(table.slot_indices(pairs[call.pairs])[:, None]),
+                )
+                parts.append(y.reshape(-1, d))
+                mx.eval(parts[-1])
+            else:
+                keep = np.zeros(pairs.size, bool)
+                keep[call.pairs] = True
+                slots = table.slot_of[pairs]
+                slots[~keep] = slots[call.pairs[0]]  # any resident slot: these pairs' results are dropped
+                y = self.glu(x, mx.array(slots.astype(dtype).reshape(idx.shape)))
+                out = y if out is None else mx.where(mx.array(keep.reshape(idx.shape))[..., None], y, out)
+                mx.eval(out)
+        cache.stats.chunks += len(calls) - 1
+        if out is not None:
+            return out
+        back = mx.array(np.argsort(np.concatenate([c.pairs for c in calls])))
+        return mx.concatenate(parts, axis=0)[back].reshape(*idx.shape, d)
 
 
 def engine_layers(model) -> list:
