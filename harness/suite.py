@@ -25,7 +25,8 @@ from pathlib import Path
 from . import provenance, rawlog
 
 GATE, EXPERIMENT = "tests", "suite"
-SPLIT = ("tests/test_architectures.py",)  # independent tests: spread over the shards one by one
+# Independent tests, spread over the shards one by one (on a GPU each compiles its own kernels).
+SPLIT = ("tests/test_architectures.py", "tests/test_exactness.py", "tests/test_staging.py", "tests/test_prefetch.py")
 TOGETHER = ("tests/test_workflow.py", "tests/test_harness.py", "tests/test_cli.py")
 IGNORED_PARTS = ("__pycache__",)
 

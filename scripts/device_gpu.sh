@@ -92,6 +92,10 @@ run() {  # a failed step is logged and the next one still runs
   collect
 }
 full=olmoe-1b-7b-shape
+# Scripts of packages installed with `pip --target DIR` (mlx.launch) land in DIR/bin.
+IFS=: read -ra sites <<< "${PYTHONPATH:-}"
+for site in "${sites[@]}"; do [[ -d $site/bin ]] && PATH="$site/bin:$PATH"; done
+export PATH
 # A step that BUDGET stopped leaves Snakemake's lock behind; nothing else runs here, so lift it.
 $py -m snakemake --profile profiles/gpu --unlock > /dev/null 2>&1 || true
 log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())')"

@@ -37,11 +37,12 @@ ids = tok.encode(PROMPT)
 tokens, _, _ = decode(model, ids, 6)
 first, log = log, []
 decode(model, ids, 6, forced=tokens)
-for i, ((n1, a), (n2, b)) in enumerate(zip(first, log)):
+for i, ((n1, a), (_, b)) in enumerate(zip(first, log)):
     for x, y in zip(a, b):
         if x is not None and (x.shape != y.shape or not np.array_equal(x, y, equal_nan=True)):
             d = np.abs(x - y) if x.shape == y.shape else None
-            print(f"call {i} {n1}: differs, max {np.nanmax(d) if d is not None else 'shape'}; nan {np.isnan(x).any()} {np.isnan(y).any()}")
+            worst = np.nanmax(d) if d is not None else "shape"
+            print(f"call {i} {n1}: differs, max {worst}; NaN {np.isnan(x).any()} {np.isnan(y).any()}")
             print([n for n, _ in first[max(0, i - 8) : i + 1]])
             sys.exit(0)
 print("no difference in", len(first), "module calls")

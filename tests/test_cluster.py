@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, needs_git
 
 from harness import inventory, provenance, rawlog
 
@@ -22,6 +22,7 @@ def setup(hostfile, *args, env=None):
     )
 
 
+@needs_git  # the script syncs the committed code to each host
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
@@ -126,6 +127,7 @@ def test_every_raw_records_host_resolves_in_the_committed_inventory():
 
 
 def test_slurm_profile_dry_run():
+    pytest.importorskip("snakemake_executor_plugin_slurm", reason="needs Snakemake's SLURM executor plugin")
     r = subprocess.run(
         [sys.executable, "-m", "snakemake", "-n", "--profile", "profiles/slurm", "all"],
         cwd=ROOT,

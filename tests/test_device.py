@@ -10,7 +10,7 @@ import stat
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import needs_git, run_engine
+from conftest import ON_GPU, needs_git, run_engine
 
 from engine import EngineConfig, device, load, max_abs_diff
 from engine.runtime import moe
@@ -144,3 +144,27 @@ def test_rows_alike_says_what_the_backend_computes(dtype):
     full = call(64)
     alike = [bool((call(n) == full[:n]).all()) for n in range(1, 25)]
     assert all(alike) == device.rows_alike(), alike
+
+
+@pytest.mark.parametrize("inputs", [64, 128, 256])
+def test_quantized_matmul_agrees_with_itself(request, inputs):
+    """`quantized_matmul` run six times on the same arrays gives the same bytes. Not so on MLX
+    0.32.4's CUDA backend for 64 inputs (4-bit, one group of 64): other numbers, NaN among them, run
+    to run, in every dtype (measured on the H200, docs/gpu.md); 14 of mlx-lm's tiny architectures
+    then disagreed with themselves. So no tiny architecture has such a layer outside its experts
+    (engine/data/architectures.yaml), and this fails, strictly, should MLX fix it."""
+    if ON_GPU and inputs == 64:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="MLX 0.32.4 CUDA quantized_matmul, 64 inputs"))
+    mx.random.seed(0)
+    wq, scales, biases = mx.quantize(mx.random.normal((256, inputs)) * 0.1, 64, 4)
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        for rows in (1, 4, 8, 21):
+            x = mx.random.normal((rows, inputs)).astype(dtype)
+            runs = [
+                np.array(
+                    mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4).astype(mx.float32)
+                )
+                for _ in range(6)
+            ]
+            assert all(np.array_equal(runs[0], r) for r in runs[1:]), (dtype, rows)
+            assert not np.isnan(runs[0]).any(), (dtype, rows)

@@ -44,6 +44,10 @@ def arrangement(request, monkeypatch):
     picks: the compact calls the CPU takes, and the calls in mlx-lm's own shapes that CUDA needs
     (there the compact ones differ from mlx-lm's logits by up to 0.069, issue 28), so that the
     CPU run checks the arithmetic of the GPU's arrangement too."""
+    if request.param == "compact" and not device.rows_alike() and "which_pairs" not in request.node.name:
+        pytest.skip(
+            "compact calls are not exact on this backend (device.rows_alike), so the engine never makes them here"
+        )
     monkeypatch.setattr(device, "rows_alike", lambda *a: request.param == "compact")
     return request.param
 

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import MODELS, run_with
+from conftest import MODELS, ON_GPU, run_with
 
 from engine import EngineConfig, load, max_abs_diff
 from engine.models import registry
@@ -190,13 +190,15 @@ def test_probe_learns_a_linear_rule(backend):
 
 
 def test_logistic_backends_agree():
-    """The MLX fit a GPU runs is the NumPy fit up to float32 rounding."""
+    """The MLX fit a GPU runs is the NumPy fit up to float32 rounding (to 1e-4 on the CPU; to 1e-3
+    on a CUDA GPU, whose float32 matrix products round differently: up to 1.2e-4 on the H200)."""
     rng = np.random.default_rng(1)
     X = rng.normal(size=(200, 32)).astype(np.float32)
     Y = (rng.random((200, 8)) < 0.25).astype(np.float32)
     (Wn, bn), (Wm, bm) = (predictors._logistic(X, Y, 50, 0.05, 1e-4, b) for b in ("numpy", "mlx"))
     assert np.abs(Wn).max() > 0.1
-    assert np.allclose(Wn, Wm, atol=1e-4) and np.allclose(bn, bm, atol=1e-4)
+    tol = 1e-3 if ON_GPU else 1e-4
+    assert np.allclose(Wn, Wm, atol=tol) and np.allclose(bn, bm, atol=tol)
     with pytest.raises(ValueError, match="backend"):
         predictors._logistic(X, Y, 1, 0.05, 1e-4, "torch")
 

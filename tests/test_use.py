@@ -28,7 +28,8 @@ def run(*args, stdin=None):
 # -- generate --------------------------------------------------------------------------------------
 def test_greedy_generate_gives_plain_mlx_lms_tokens():
     model, tok, _ = load_reference(MODEL)
-    want = [r.token for r in mlx_lm.stream_generate(model, tok, "def fibonacci(n):", max_tokens=16)]
+    plain = list(mlx_lm.stream_generate(model, tok, "def fibonacci(n):", max_tokens=16))
+    want = [r.token for r in plain]
     eng = load(MODEL, slots=16, predictor="previous")
     try:
         got = [r.token for r in generation.stream(eng, "def fibonacci(n):", 16)]
@@ -36,7 +37,7 @@ def test_greedy_generate_gives_plain_mlx_lms_tokens():
     finally:
         eng.close()
     assert got == want
-    assert text == tok.decode(want)
+    assert text == "".join(r.text for r in plain)  # mlx-lm's own detokenizer, as mlx-lm streams it
     assert figures["tokens"] == 16 and figures["misses"] > 0 and 0 < figures["hit_rate"] < 1
     assert figures["peak_memory_bytes"] > 0
 
@@ -108,7 +109,8 @@ def test_sizes_parse():
         parse_size("8 parsecs")
 
 
-@pytest.mark.parametrize("budget", ["3MB", "4MB", "6MB"])
+# From 4MB: on a CUDA GPU the plan also holds the pinned staging records (3.9 MB at least).
+@pytest.mark.parametrize("budget", ["4MB", "5MB", "6MB"])
 def test_the_memory_budget_chooses_slots_and_the_peak_stays_under_it(budget):
     r = run("decode", "--model", MODEL, "--memory", budget, "--context", "64", "--tokens", "16", "--json")
     assert r.returncode == 0, r.stderr

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -370,6 +371,18 @@ class AdaptiveScheduler:
         self.history.append(dict(token=self.tokens, moved=moved, links=[round(float(n.link), 4) for n in nodes]))
 
 
+def launcher() -> str:
+    """MLX's `mlx.launch`: beside this Python (a virtual environment), else on the PATH (e.g. an
+    install with `pip --target`, whose scripts land in its own bin/)."""
+    beside = Path(sys.executable).with_name("mlx.launch")
+    found = str(beside) if beside.exists() else shutil.which("mlx.launch")
+    if not found:
+        raise NodeError(
+            f"mlx.launch not found beside {sys.executable} or on the PATH: is mlx installed with its scripts?"
+        )
+    return found
+
+
 def launch(nodes: int, args, out, timeout: float = 600, backend: str = "ring", hostfile=None):
     """Run engine.cluster.dist_run on `nodes` processes with `mlx.launch` and return rank 0's figures.
 
@@ -377,8 +390,7 @@ def launch(nodes: int, args, out, timeout: float = 600, backend: str = "ring", h
     with 0 after stopping the others, so success is rank 0's output file, written last and
     atomically; anything else raises NodeError naming the nodes that failed."""
     out = Path(out)
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "--backend", backend]
+    cmd = [launcher(), "--backend", backend]
     cmd += ["--hostfile", str(hostfile)] if hostfile else ["-n", str(nodes)]
     cmd += ["--", sys.executable, "-m", "engine.cluster.dist_run", *map(str, args), "--out", str(out)]
     try:

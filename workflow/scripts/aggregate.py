@@ -636,6 +636,44 @@ def write(df: pd.DataFrame, out_csv: Path, out_md: Path):
             f.write("| " + " | ".join(row) + " |\n")
 
 
+def suite_table(recs):
+    """Every recorded run of the test suite (python -m harness suite): where it ran, on which
+    engine/ tree, and what it found."""
+    cols = MACHINE + ["engine_tree", "commit", "dirty", "passed", "failed", "errors", "skipped", "xfailed"]
+    cols += ["seconds", "failures", "started_utc", "run_id"]
+    rows = []
+    for r in recs:
+        res = r["result"]
+        rows.append(
+            dict(
+                **machine_cols(r),
+                engine_tree=res["engine_tree"][:12],
+                commit=(r["commit"] or "")[:12],
+                dirty=r["dirty"],
+                **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
+                failures="; ".join(f["test"] for f in res["failures"]),
+                started_utc=r["started_utc"],
+                run_id=r["run_id"],
+            )
+        )
+    return pd.DataFrame(rows, columns=cols).sort_values(["started_utc", "run_id"], kind="mergesort")
+
+
+def determinism_table(recs):
+    """Plain mlx-lm run again on the same tokens (scripts/determinism.py): per machine, model and
+    CUDA-graph setting, the largest |Δlogit| over the latest run's repetitions."""
+    keys = MACHINE + ["cuda_graphs", "model"]
+    figs = ("cuda_graphs", "model", "deterministic", "max_abs_diff", "nan", "steps")
+    rows = [
+        dict(**machine_cols(r), **{k: r["result"][k] for k in figs}, repetitions=r["result"]["runs"])
+        | dict(commit=r["commit"][:12], started_utc=r["started_utc"], run_id=r["run_id"])
+        for r in recs
+        if "error" not in r["result"]
+    ]
+    cols = keys + ["deterministic", "max_abs_diff", "nan", "repetitions", "steps", "commit", "runs"]
+    return latest(rows, keys).reindex(columns=cols) if rows else pd.DataFrame(columns=cols)
+
+
 def build(raw_root, figdir):
     """Read every raw file under `raw_root` and write every table into `figdir`/tables."""
     raw_root, figdir = Path(raw_root), Path(figdir)
@@ -656,6 +694,8 @@ def build(raw_root, figdir):
         "sync_ablation": sync_table(of("C", "sync_ablation")),
         "wire_ablation": wire_table(of("F", "wire_ablation")),
         "bench": bench_table([r for r in recs if r["gate"] == "bench"]),
+        "suite": suite_table(of("tests", "suite")),
+        "determinism": determinism_table(of("tests", "determinism")),
     }
     tables["claims"] = claims_table(tables)
     write_claims(tables["claims"], figdir / "claims.md")

@@ -4,7 +4,11 @@ import sys
 
 sys.path.insert(0, snakemake.scriptdir)
 import aggregate  # noqa: E402
+import docblocks  # noqa: E402
 from _common import logged  # noqa: E402
 
 with logged(snakemake):
-    aggregate.build(snakemake.params.raw, snakemake.wildcards.figdir)
+    tables = aggregate.build(snakemake.params.raw, snakemake.wildcards.figdir)
+    if snakemake.wildcards.figdir == "figures":  # the published tables: their sentences in the pages
+        for page in docblocks.build(tables):
+            print(f"rewrote the generated blocks of {page}")

@@ -1,0 +1,145 @@
+"""The test suite as a recorded gate (harness/suite.py): the engine/ tree a run names is git's own,
+a sharded run keeps files whole (but the independent ones) and reports every failure by name, CI's
+line says whether the landed tree has a passing GPU record, and the README's sentence on it is
+generated from the records (workflow/scripts/docblocks.py)."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+from conftest import ROOT, needs_git
+
+from harness import rawlog, suite
+
+sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
+import docblocks  # noqa: E402
+
+
+@needs_git
+def test_the_tree_hash_is_gits_own(tmp_path):
+    """Computed from the files (a copy of the tree without .git names it too), it is what
+    `git rev-parse HEAD:engine` says when engine/ is committed unchanged, and it changes with a byte."""
+    repo = tmp_path / "repo"
+    (repo / "engine" / "sub").mkdir(parents=True)
+    (repo / "engine" / "a.py").write_text("x = 1\n")
+    (repo / "engine" / "sub" / "b.yaml").write_text("b: 2\n")
+    (repo / "engine" / "run.sh").write_text("#!/bin/sh\n")
+    (repo / "engine" / "run.sh").chmod(0o755)
+    (repo / "engine" / "__pycache__").mkdir()
+    (repo / "engine" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")  # ignored, as git ignores it
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / ".gitignore").write_text("__pycache__/\n")
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], check=True)
+    want = subprocess.run(git + ["rev-parse", "HEAD:engine"], capture_output=True, text=True).stdout.strip()
+    assert suite.tree_hash(repo / "engine") == want
+    (repo / "engine" / "a.py").write_text("x = 2\n")
+    assert suite.tree_hash(repo / "engine") != want
+
+
+def test_shards_keep_files_whole_but_the_independent_ones():
+    ids = [f"tests/test_architectures.py::t[{i}]" for i in range(6)]
+    ids += [f"tests/test_use.py::u{i}" for i in range(3)]
+    ids += ["tests/test_workflow.py::w", "tests/test_harness.py::h", "tests/test_cli.py::c"]
+    groups = suite.shards(ids, 4)
+    assert sorted(t for g in groups for t in g) == sorted(ids)  # each test once
+    assert len(groups) == 4
+    home = {
+        t.split("::")[0]: {i for i, g in enumerate(groups) if any(x.startswith(t.split("::")[0]) for x in g)}
+        for t in ids
+    }
+    assert len(home["tests/test_use.py"]) == 1
+    together = {i for i, g in enumerate(groups) for t in g if t.split("::")[0] in suite.TOGETHER}
+    assert len(together) == 1  # Snakemake locks the checkout: one process for the workflow's tests
+    assert len(home["tests/test_architectures.py"]) > 1
+
+
+def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
+    """A real (tiny) pytest run in two shards: the record counts what passed, failed and was
+    skipped, names each failure with its message and each skip with its reason."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text(
+        "def test_ok():\n    pass\n\ndef test_bad():\n    assert 1 == 2, 'one is not two'\n"
+    )
+    (tests / "test_b.py").write_text(
+        "import pytest\n\n@pytest.mark.skip(reason='needs a GPU')\ndef test_gpu():\n    pass\n\n"
+        "@pytest.mark.xfail(strict=True)\ndef test_known():\n    assert False\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from harness import suite; r, p = suite.run(sys.argv[2:], 2, root=sys.argv[1]); print(p)",
+            str(tmp_path / "raw"),
+            "tests",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr
+    (rec,) = rawlog.read([tmp_path / "raw"])
+    r = rec["result"]
+    assert (rec["gate"], rec["experiment"]) == ("tests", "suite")
+    assert (r["passed"], r["failed"], r["skipped"], r["xfailed"], r["errors"]) == (1, 1, 1, 1, 0)
+    assert [f["test"] for f in r["failures"]] == ["tests/test_a.py::test_bad"]
+    assert "one is not two" in r["failures"][0]["message"]
+    assert r["skips"] == [dict(test="tests/test_b.py::test_gpu", reason="needs a GPU")]
+    assert r["engine_tree"] == suite.tree_hash(ROOT / "engine") and r["shards"] == 2
+
+
+def _record(raw, tree, device="gpu", failed=0):
+    res = dict(passed=10, failed=failed, errors=0, skipped=1, xfailed=0, tests=11, seconds=1.0, shards=1)
+    res.update(failures=[dict(test="tests/test_x.py::test_y", message="boom")] * failed, skips=[], engine_tree=tree)
+    res.update(engine_tree_committed=tree, exit_codes=[int(bool(failed))])
+    return rawlog.write_run("tests", "suite", [res], config={}, seed=None, started="2026-12-02T00:00:00.000Z", root=raw)
+
+
+def test_ci_says_whether_the_landed_tree_has_a_passing_gpu_record(tmp_path, monkeypatch):
+    tree = suite.tree_hash(ROOT / "engine")
+    monkeypatch.setattr(suite, "committed_tree", lambda *a: tree)
+    assert suite.check_line(raw=tmp_path).startswith("WARNING: engine/ tree")
+    _record(tmp_path, tree, failed=1)  # a failing run does not count
+    _record(tmp_path, "0" * 40)  # nor a passing run of another tree
+    line = suite.check_line(raw=tmp_path)
+    assert line.startswith("WARNING") and "scripts/device_gpu.sh" in line
+    path = _record(tmp_path, tree)
+    rec = json.loads(path.read_text())
+    if rec["device"] != "gpu":  # records made here are the CPU's: the line wants a GPU's
+        assert suite.check_line(raw=tmp_path).startswith("WARNING")
+        monkeypatch.setattr(suite, "passing_record", lambda t, raw=None, device="gpu": dict(rec, _file=str(path)))
+    assert suite.check_line(raw=tmp_path).startswith(f"GPU tests: engine/ tree {tree[:12]} passed")
+
+
+def test_a_pages_generated_block_is_rewritten_and_nothing_else(tmp_path):
+    page = tmp_path / "README.md"
+    page.write_text("# T\nhand text\n<!-- generated:gpu-exactness -->\nold\n<!-- /generated:gpu-exactness -->\nmore\n")
+    suite_df = pd.DataFrame(
+        [dict(device="gpu", chip="NVIDIA H200", engine_tree="abc", commit="def", passed=400, failed=1, errors=0,
+              skipped=3, failures="tests/test_e.py::test_x[8]", run_id="r1")]
+    )  # fmt: skip
+    assert docblocks.build({"suite": suite_df}, tmp_path) == [page]
+    text = page.read_text()
+    assert text.startswith(
+        "# T\nhand text\n<!-- generated:gpu-exactness -->\nThe suite's latest run on a GPU (NVIDIA H200"
+    )
+    assert "400 passed, 1 failed, 3 skipped. Failed: `test_x[8]`." in text and text.endswith("-->\nmore\n")
+    assert docblocks.build({"suite": suite_df}, tmp_path) == []  # the same records: the same bytes
+    none = docblocks.gpu_exactness(suite_df.iloc[:0])
+    assert none.startswith("No run of the test suite on a CUDA GPU is recorded yet")
+    page.write_text("<!-- generated:gpu-exactness -->\nunclosed\n")
+    with pytest.raises(docblocks.BlockError, match="README.md: block 'gpu-exactness' must be opened and closed once"):
+        docblocks.build({"suite": suite_df}, tmp_path)
+
+
+def test_the_readme_carries_the_generated_gpu_sentence():
+    """What `snakemake figures` writes into the README from the committed records, byte for byte."""
+    table = ROOT / "figures" / "tables" / "suite.csv"
+    df = pd.read_csv(table, dtype={"engine_tree": str, "commit": str, "failures": str}).fillna("")
+    text = (ROOT / "README.md").read_text()
+    assert docblocks.fill(text, "gpu-exactness", docblocks.gpu_exactness(df)) == text
