@@ -15,7 +15,7 @@ import sys
 
 import mlx.core as mx
 
-from .runtime import staging
+from . import cudart
 
 _SAID = set()
 
@@ -37,7 +37,7 @@ def rows_alike(device_kind: str | None = None) -> bool:
 
 def pinned_unavailable() -> str | None:
     """Why the pinned install path cannot run here (None: it can)."""
-    return staging.unavailable_reason()
+    return cudart.unavailable_reason()
 
 
 def default_install(device_kind: str | None = None) -> str:

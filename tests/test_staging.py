@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import MODELS, run_with
 
-from engine import EngineConfig, device, load, max_abs_diff
+from engine import EngineConfig, cudart, device, load, max_abs_diff
 from engine.models.registry import load_reference
 from engine.predict import predictors, trace
 from engine.runtime import staging
@@ -170,8 +170,8 @@ def test_pinned_says_why_and_falls_back_on_the_cpu(capsys):
 
 def test_no_cuda_runtime_is_a_named_error(tmp_path):
     missing = tmp_path / "libcudart.so.13"
-    with pytest.raises(staging.StagingError, match=f"no CUDA runtime library.*{missing}"):
-        staging.CudaRuntime(str(missing))
+    with pytest.raises(cudart.CudaError, match=f"no CUDA runtime library.*{missing}"):
+        cudart.CudaRuntime(str(missing))
 
 
 # -- the engine on the pinned path ---------------------------------------------------------------

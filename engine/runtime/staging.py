@@ -27,132 +27,22 @@ installs are tested on the CPU (tests/test_staging.py). It is not a user-facing 
 the CPU, where `inplace` is cheaper (`device.resolve_install`).
 """
 
-import ctypes
-import ctypes.util
 import hashlib
-import os
-import sys
 from collections import deque
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from .. import cudart
 from .slots import aligned_zeros
 from .store import PAGE, aligned_empty
 
 BATCH = 8  # records per copy kernel: its record list and slot list each fit in 8 bytes (below)
-HOST_REGISTER_PORTABLE, HOST_REGISTER_MAPPED = 0x01, 0x02
-MEMCPY_HOST_TO_DEVICE = 1
 
 
-class StagingError(RuntimeError):
-    """The pinned path cannot run here (no CUDA runtime, a failed registration, ...)."""
-
-
-# -- the CUDA runtime, through ctypes --------------------------------------------------------------
-def _candidates():
-    """Where libcudart may be: already loaded by MLX's CUDA backend (found by its soname), the
-    `nvidia-cuda-runtime` wheel's folder, then the system's loader path."""
-    yield "libcudart.so.13"
-    for root in sys.path:
-        for sub in ("nvidia/cu13/lib", "nvidia/cuda_runtime/lib"):
-            p = Path(root) / sub / "libcudart.so.13"
-            if p.exists():
-                yield str(p)
-    found = ctypes.util.find_library("cudart")
-    if found:
-        yield found
-
-
-class CudaRuntime:
-    """The few CUDA runtime calls the pinned path needs."""
-
-    def __init__(self, path=None):
-        errors = []
-        for cand in [path] if path else _candidates():
-            try:
-                self.lib = ctypes.CDLL(cand)
-                self.path = cand
-                break
-            except OSError as e:
-                errors.append(f"{cand}: {e}")
-        else:
-            raise StagingError("no CUDA runtime library (libcudart.so.13) found: " + "; ".join(errors))
-        L = self.lib
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        for name, args in (
-            ("cudaHostRegister", [vp, sz, ctypes.c_uint]),
-            ("cudaHostUnregister", [vp]),
-            ("cudaHostGetDevicePointer", [ctypes.POINTER(vp), vp, ctypes.c_uint]),
-            ("cudaMalloc", [ctypes.POINTER(vp), sz]),
-            ("cudaFree", [vp]),
-            ("cudaMemcpy", [vp, vp, sz, ctypes.c_int]),
-            ("cudaDeviceSynchronize", []),
-            ("cudaGetErrorString", [ctypes.c_int]),
-        ):
-            fn = getattr(L, name)
-            fn.argtypes = args
-            fn.restype = ctypes.c_char_p if name == "cudaGetErrorString" else ctypes.c_int
-
-    def check(self, code: int, what: str):
-        if code != 0:
-            raise StagingError(f"{what} failed: CUDA error {code} ({self.lib.cudaGetErrorString(code).decode()})")
-
-    def host_register(self, ptr: int, nbytes: int) -> int:
-        """Pin and map `nbytes` of host memory at `ptr`; returns its device address."""
-        self.check(
-            self.lib.cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED),
-            f"cudaHostRegister of {nbytes} bytes",
-        )
-        dev = ctypes.c_void_p()
-        self.check(self.lib.cudaHostGetDevicePointer(ctypes.byref(dev), ptr, 0), "cudaHostGetDevicePointer")
-        return dev.value
-
-    def host_unregister(self, ptr: int):
-        self.lib.cudaHostUnregister(ptr)
-
-    def malloc(self, nbytes: int) -> int:
-        p = ctypes.c_void_p()
-        self.check(self.lib.cudaMalloc(ctypes.byref(p), nbytes), f"cudaMalloc of {nbytes} bytes")
-        return p.value
-
-    def free(self, ptr: int):
-        self.lib.cudaFree(ptr)
-
-    def memcpy_h2d(self, dst: int, src: int, nbytes: int):
-        self.check(self.lib.cudaMemcpy(dst, src, nbytes, MEMCPY_HOST_TO_DEVICE), "cudaMemcpy")
-
-    def synchronize(self):
-        self.check(self.lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-
-
-_RUNTIME = None
-
-
-def runtime() -> CudaRuntime:
-    global _RUNTIME
-    if _RUNTIME is None:
-        _RUNTIME = CudaRuntime(os.environ.get("TITAN_CUDART"))
-    return _RUNTIME
-
-
-def unavailable_reason() -> str | None:
-    """Why the pinned path cannot run in this process, or None when it can."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return "MLX computes on the CPU here (no GPU backend)"
-    if not mx.cuda.is_available():
-        return (
-            "MLX's GPU here is not CUDA (on Apple Silicon the paper's copy path stays: unified memory "
-            "needs no staging, and whether pinning would help there is not measurable on these machines)"
-        )
-    if not hasattr(mx.fast, "cuda_kernel"):
-        return f"mlx {mx.__version__} has no mx.fast.cuda_kernel"
-    try:
-        runtime()
-    except StagingError as e:
-        return str(e)
-    return None
+StagingError = cudart.CudaError  # the name this module's callers have known it by
+runtime = cudart.runtime
+unavailable_reason = cudart.unavailable_reason
 
 
 # -- the copy kernel ---------------------------------------------------------------------------------
