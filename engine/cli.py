@@ -84,11 +84,13 @@ def add_engine_args(p):
     )
     p.add_argument(
         "--install",
-        choices=["auto", "inplace", "copy", "pinned"],
+        choices=["auto", "inplace", "copy", "pinned", "device"],
         default="auto",
         help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write; "
-        "pinned: pinned staging and a copy kernel (CUDA); auto: inplace on the CPU, pinned on a "
-        "CUDA GPU, copy on other GPUs",
+        "pinned: pinned staging and a copy kernel (CUDA); device: every expert in pinned host memory "
+        "and the slot maps on the device, no host synchronisation inside a token (CUDA; MLX "
+        "operations elsewhere); auto: inplace on the CPU, device on a CUDA GPU (pinned where the "
+        "host tier does not fit or a predictor prefetches), copy on other GPUs",
     )
     p.add_argument(
         "--sync",
@@ -246,11 +248,13 @@ def cmd_decode(a):
             return
         hr = "n/a (all resident)" if s.get("hit_rate") is None else f"{s['hit_rate']:.3f}"
         print(
-            f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.tables[0].install_mode}: "
+            f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.install}: "
             f"{s['tok_s']:.2f} tok/s over {s['tokens']} tokens, hit rate {hr}, "
             f"{s['bytes_read_per_token'] / 1e6:.2f} MB read/token, stall {1e3 * s['stall_s_per_token']:.2f} ms/token"
         )
-        if s.get("misses"):
+        if s.get("misses") and eng.install == "device":
+            print("per miss: read by the device from the host tier, inside the token's graph (no host work to split)")
+        elif s.get("misses"):
             print(
                 f"per miss: pread {s['per_miss_pread_ms']:.3f} ms (summed over readers), "
                 f"array {s['per_miss_array_ms']:.3f} ms, install {s['per_miss_install_ms']:.3f} ms, "

@@ -41,10 +41,12 @@ def pinned_unavailable() -> str | None:
 
 
 def default_install(device_kind: str | None = None) -> str:
-    """The install mode `auto` resolves to on this device."""
+    """The install mode `auto` resolves to on this device: on a CUDA GPU the `device` install
+    (engine.runtime.devicemap: no host synchronisation inside a token), which the engine swaps for
+    `pinned` where its host tier does not fit (runtime.engine.Engine)."""
     if (device_kind or kind()) != "gpu":
         return "inplace"
-    return "copy" if pinned_unavailable() else "pinned"
+    return "copy" if pinned_unavailable() else "device"
 
 
 def one_array(device_kind: str | None = None) -> bool:
@@ -66,6 +68,8 @@ def resolve_install(mode: str, device_kind: str | None = None) -> str:
         if (device_kind or kind()) == "gpu" and chosen == "copy":
             _say(f"install auto: copy, since the pinned path cannot run: {pinned_unavailable()}")
         return chosen
+    if mode == "device":
+        return mode  # the same bookkeeping runs as MLX operations where the kernels cannot
     if mode == "pinned":
         if (device_kind or kind()) != "gpu":
             _say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")

@@ -104,7 +104,10 @@ def plan(model, budget: int, top_k: int, context: int = 4096, install: str = "in
     weights = sum(a.nbytes for _, a in tree_flatten(model.parameters())) - expert_total
     kv = kv_cache_bytes(model, context)
     record = -(-expert_bytes // 4096) * 4096
-    buffers = {"pinned": staging_records * record, "copy": 2 * max(readers, 8) * record}.get(install, readers * record)
+    # the device install's host tier is host memory, not the device's: no read buffer here
+    buffers = {"pinned": staging_records * record, "copy": 2 * max(readers, 8) * record, "device": 0}.get(
+        install, readers * record
+    )
     margin = max(2 << 20, (weights + kv) // 10)  # activations and MLX's temporaries
     fixed = weights + kv + buffers + margin
     room = budget - fixed

@@ -160,7 +160,7 @@ def throughput(a):
         for k, e in engines.items()
         if k != "S=E"
     }
-    installs_used = {k: e.tables[0].install_mode for k, e in engines.items()}
+    installs_used = {k: e.install for k, e in engines.items()}
     for e in engines.values():
         e.close()
     res = {k: _median(v) for k, v in runs.items()}
@@ -543,7 +543,7 @@ def prefetch_bench(a):
             eng.bind_oracle(sets)
             _, recs, _ = decode(eng.model, ids, a.tokens)
             per_prompt[c].append(dict(totals(recs), split=time_split(recs)))
-    installs = {c: e.tables[0].install_mode for c, e in engines.items()}
+    installs = {c: e.install for c, e in engines.items()}
     for eng in engines.values():
         eng.close()
     table = {}

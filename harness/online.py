@@ -239,7 +239,7 @@ def sweep(
             depth=depth,
             min_prob=q,
             prompts=len(rows),
-            install=None if eng is None else eng.tables[0].install_mode,
+            install=None if eng is None else eng.install,
             **summarize_repeats(accs[S, name, depth, q]),
             repeats_resumed=resumed,
         )

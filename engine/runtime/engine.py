@@ -9,7 +9,9 @@ import mlx.core as mx
 from .. import device
 from ..config import EngineConfig, build_lock, resources_dir
 from ..predict import predictors
+from . import hosttier
 from . import store as store_mod
+from .devicemap import DeviceCache, DeviceSwitchGLU
 from .moe import ExpertCache, SlotSwitchGLU
 from .prefetch import NoPrefetch
 from .slots import SlotTable
@@ -79,23 +81,56 @@ class Engine:
             raise store_mod.StoreError(
                 f"{self.store.path}: {self.store.num_layers} MoE layers, model has {len(blocks)}"
             )
-        self.cache = build_cache(
-            self.store,
-            slots,
-            config.eviction,
-            config.install,
-            prefetcher,
-            config.sync,
-            config.staging_records,
-            config.overlap,
-        )
-        self.tables = self.cache.tables
-        for o, b in enumerate(blocks):
-            setattr(b.parent, b.attr, SlotSwitchGLU(b.switch, self.tables[o], self.cache, o))
-            if self.tables[o].full:
-                self.cache.fill(o)
+        self.install = self._choose_install(config, prefetcher)
+        if self.install == "device":
+            try:
+                self.cache = DeviceCache(self.store, slots)
+            except BaseException:
+                self.store.close()
+                raise
+            self.tables = self.cache.tables
+            for o, b in enumerate(blocks):
+                setattr(b.parent, b.attr, DeviceSwitchGLU(b.switch, self.cache, o))
+        else:
+            self.cache = build_cache(
+                self.store,
+                slots,
+                config.eviction,
+                self.install,
+                prefetcher,
+                config.sync,
+                config.staging_records,
+                config.overlap,
+            )
+            self.tables = self.cache.tables
+            for o, b in enumerate(blocks):
+                setattr(b.parent, b.attr, SlotSwitchGLU(b.switch, self.tables[o], self.cache, o))
+                if self.tables[o].full:
+                    self.cache.fill(o)
         # Everything but the experts (which were never materialised) loads now.
         mx.eval(model.parameters())
+
+    def _choose_install(self, config, prefetcher) -> str:
+        """The install that runs: `auto` per device (engine.device), and on a CUDA GPU the `device`
+        install only when the host tier fits in host memory and no predictor asks for Algorithm 1's
+        prefetcher; said on stderr when `auto` steps back."""
+        mode = device.resolve_install(config.install)
+        if mode != "device":
+            return mode
+        need = self.store.num_layers * self.num_experts * self.store.record_bytes
+        why = None
+        if not hosttier.fits(need):
+            why = f"its host tier ({need / 1e9:.2f} GB) does not fit in this machine's available memory"
+        elif prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
+            why = "a predictor's prefetches run on Algorithm 1's path"
+        if why is None:
+            return mode
+        if config.install == "device":
+            self.store.close()
+            raise ValueError(f"--install device cannot run here: {why}")
+        fallback = device.resolve_install("pinned")
+        print(f"[titan] install auto: {fallback}, not device: {why}", file=sys.stderr, flush=True)
+        return fallback
 
     @property
     def predictor(self):
@@ -107,6 +142,8 @@ class Engine:
             self.predictor.bind(experts)
 
     def counters(self) -> dict:
+        if self.install == "device":
+            return self.cache.counters()
         total = {}
         for t in self.tables:
             for k, v in t.counters().items():

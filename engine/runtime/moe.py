@@ -394,7 +394,11 @@ def prefill_calls(indices: np.ndarray, slots: int, compact: bool) -> list:
     return [PrefillCall(b, np.flatnonzero(np.isin(flat, b)), compact) for b in expert_batches(indices, slots)]
 
 
-class SlotSwitchGLU(nn.Module):
+class OffloadedSwitch(nn.Module):
+    """What an engine puts in place of an MoE block's SwitchGLU: its `_cache` is the engine's."""
+
+
+class SlotSwitchGLU(OffloadedSwitch):
     """mlx-lm's SwitchGLU (or SwitchMLP) computing over a slot table (lines 9-16 of Algorithm 1)."""
 
     def __init__(self, glu, table, cache: ExpertCache, layer: int):
@@ -471,5 +475,6 @@ class SlotSwitchGLU(nn.Module):
 
 
 def engine_layers(model) -> list:
-    """The SlotSwitchGLU of every MoE block of an engine model, in layer order."""
-    return [m for _, m in sorted(model.named_modules(), key=lambda p: p[0]) if isinstance(m, SlotSwitchGLU)]
+    """The offloaded switch (SlotSwitchGLU, devicemap.DeviceSwitchGLU) of every MoE block of an
+    engine model, in layer order."""
+    return [m for _, m in sorted(model.named_modules(), key=lambda p: p[0]) if isinstance(m, OffloadedSwitch)]

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 INSTALL_MODES = ("inplace", "copy", "pinned")  # `auto` (engine option) picks one per device: engine.device
+# and `device` (engine.runtime.devicemap), whose tables are not SlotTables
 
 
 class LRU:

@@ -1,0 +1,441 @@
+"""The `device` install: a decode step with no host synchronisation inside it.
+
+Algorithm 1 reads each MoE layer's routed experts back to the host to find its misses, and on a
+GPU that round trip, sixteen times a token, costs more than the misses themselves (issue 29:
+the offloaded H200 decode ran at a fifth of resident decoding while a probe of reads driven from
+the device reached 0.92 of it). Here the host never looks:
+
+- every expert sits in the *host tier* (engine.runtime.hosttier): mapped pinned host memory;
+- each layer keeps its *slot map* on the device: expert -> slot, slot -> expert, a last-use stamp
+  per slot, a step clock and counters (`MapState`, int32 arrays);
+- a *map step* takes the router's indices as they are on the device (static shape, rows x top-k),
+  keeps hits in their slots, gives each miss the least recently used slot this step does not use,
+  and returns the indices remapped to slots and the list of (expert, slot) to fill;
+- a *fill* copies the missed records from the host tier into those slots;
+- mlx-lm's own SwitchGLU then computes over the slot tables with the remapped indices: the same
+  call, in the same shapes, on the same bytes as mlx-lm's, so the logits are mlx-lm's bit for bit.
+
+All of it is lazy MLX work in the token's graph, queued like mlx-lm's own `generate_step` queues
+a resident model's; counters stay on the device until asked for.
+
+Two implementations of the map step and the fill, chosen per `DeviceCache(mode=...)`:
+- `kernel` (a CUDA GPU): the map step is one single-thread `mx.fast.cuda_kernel`; the fill is a
+  grid-stride kernel that reads the records across PCIe and writes them straight into the slot
+  tables' device memory, through addresses a kernel read once from its own inputs (MLX cannot name
+  an existing array as a kernel's output). Only the misses' bytes move.
+- `ops` (the CPU, CI, and a fallback on a GPU): the same algorithm as MLX operations, and the fill
+  as a gather from the host tier and one scatter per tensor (padded entries rewrite a slot with its
+  own bytes). Tests check the two give the same maps on a GPU and the ops against a NumPy model of
+  the algorithm on the CPU.
+
+A prefill whose rows route to more experts than S cannot be planned without knowing them: it reads
+the indices back once per layer (a prefill is one call per prompt) and computes in the expert
+batches of `moe.prefill_calls`, each through the same map step and fill.
+"""
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .. import device
+from .hosttier import HostTier
+from .moe import OffloadedSwitch, StepStats, prefill_calls
+from .slots import mx_dtype
+from .staging import _CTYPES as CTYPES
+from .staging import grain
+from .store import set_param
+
+COUNTERS = ("hits", "misses")  # per layer, on the device: unique experts found resident / filled
+BIG = 1 << 40  # a used slot's LRU key: after every unused one
+MODES = ("kernel", "ops")
+
+
+@dataclass
+class MapState:
+    """One layer's slot map, as device arrays (int32)."""
+
+    slot_of: mx.array  # (E,) the slot of each expert, -1 if not resident
+    expert_in: mx.array  # (S,) the expert in each slot, -1 if empty
+    stamp: mx.array  # (S,) the step each slot was last used at, -1 if never
+    clock: mx.array  # (1,) this layer's step count
+    counters: mx.array  # (len(COUNTERS),)
+
+    @classmethod
+    def empty(cls, experts: int, slots: int):
+        s = cls(
+            mx.full((experts,), -1, mx.int32),
+            mx.full((slots,), -1, mx.int32),
+            mx.full((slots,), -1, mx.int32),
+            mx.zeros((1,), mx.int32),
+            mx.zeros((len(COUNTERS),), mx.int32),
+        )
+        mx.eval(s.arrays())
+        return s
+
+    def arrays(self) -> list:
+        return [self.slot_of, self.expert_in, self.stamp, self.clock, self.counters]
+
+
+@dataclass
+class Fill:
+    """A map step's result: the router's indices remapped to slots, and the (expert, slot) pairs
+    to fill (the first `count` are real; the rest point at a slot that keeps its bytes)."""
+
+    remapped: mx.array  # (N,) uint32
+    experts: mx.array  # (M,) int32, M = min(N, S)
+    slots: mx.array  # (M,) int32
+    count: mx.array  # (1,) int32
+
+
+# -- the map step as MLX operations -----------------------------------------------------------------
+def map_step_ops(state: MapState, inds: mx.array, slots: int) -> tuple:
+    """One step of a layer's slot map (module docstring) as MLX operations. `inds` (N,) int32 are
+    the router's experts, -1 for a pair this step ignores. Returns (new MapState, Fill)."""
+    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
+    M = min(N, S)
+    pos = mx.arange(N, dtype=mx.int32)
+    valid = inds >= 0
+    e = mx.where(valid, inds, 0)
+    cur = mx.where(valid, state.slot_of[e], -1)
+    hit = cur >= 0
+    first = mx.full((E + 1,), N, mx.int32).at[mx.where(valid, e, E)].minimum(pos)
+    unique = valid & (first[e] == pos)
+    uhit, umiss = unique & hit, unique & ~hit
+    nmiss = umiss.astype(mx.int32).sum()
+    slot_ids = mx.arange(S, dtype=mx.int64)
+    used = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
+    key = mx.where(used, BIG + slot_ids, state.stamp.astype(mx.int64) * S + slot_ids)
+    order = mx.argsort(key).astype(mx.int32)
+    rank = mx.cumsum(umiss.astype(mx.int32)) - 1
+    victim = order[mx.clip(rank, 0, S - 1)]
+    evicted = state.expert_in[victim]
+    slot_of = mx.concatenate([state.slot_of, mx.array([-1], mx.int32)])
+    slot_of[mx.where(umiss & (evicted >= 0), evicted, E)] = -1
+    slot_of[mx.where(umiss, e, E)] = mx.where(umiss, victim, -1)
+    slot_of = slot_of[:E]
+    expert_in = mx.concatenate([state.expert_in, mx.array([-1], mx.int32)])
+    expert_in[mx.where(umiss, victim, S)] = e
+    expert_in = expert_in[:S]
+    filled = mx.zeros((S + 1,), mx.int32).at[mx.where(umiss, victim, S)].add(1)[:S] > 0
+    stamp = mx.where(used | filled, state.clock, state.stamp)
+    remapped = mx.where(valid, slot_of[e], 0).astype(mx.uint32)
+    at = mx.where(umiss, rank, M)
+    fill_e = mx.full((M + 1,), -1, mx.int32)
+    fill_e[at] = e
+    pad = order[mx.minimum(nmiss, S - 1)]
+    fill_s = mx.broadcast_to(pad, (M + 1,)).astype(mx.int32)
+    fill_s[at] = victim
+    counters = state.counters + mx.stack([uhit.astype(mx.int32).sum(), nmiss])
+    new = MapState(slot_of, expert_in, stamp, state.clock + 1, counters)
+    return new, Fill(remapped, fill_e[:M], fill_s[:M], nmiss.reshape(1))
+
+
+# -- the map step as one CUDA kernel ----------------------------------------------------------------
+MAP_SOURCE = """
+if (blockIdx.x != 0 || threadIdx.x != 0) return;
+const int N = inds_shape[0];
+const int M = N < S ? N : S;
+for (int e = 0; e < E; ++e) slot_of_o[e] = slot_of[e];
+for (int s = 0; s < S; ++s) { expert_in_o[s] = expert_in[s]; stamp_o[s] = stamp[s]; }
+const int clk = clock[0];
+bool used[S], taken[S], seen[E];
+for (int s = 0; s < S; ++s) { used[s] = false; taken[s] = false; }
+for (int e = 0; e < E; ++e) seen[e] = false;
+for (int j = 0; j < N; ++j) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
+int hits = 0, nmiss = 0;
+for (int j = 0; j < N; ++j) {
+  const int e = inds[j];
+  if (e < 0 || seen[e]) continue;
+  seen[e] = true;
+  if (slot_of[e] >= 0) { ++hits; continue; }
+  long long best = 0; int v = -1;
+  for (int s = 0; s < S; ++s) {
+    if (used[s] || taken[s]) continue;
+    const long long key = (long long)stamp[s] * S + s;
+    if (v < 0 || key < best) { best = key; v = s; }
+  }
+  if (v < 0) { v = 0; }  // more experts than free slots: the caller plans batches that fit
+  taken[v] = true;
+  const int old = expert_in_o[v];
+  if (old >= 0) slot_of_o[old] = -1;
+  slot_of_o[e] = v; expert_in_o[v] = e;
+  if (nmiss < M) { fill_e[nmiss] = e; fill_s[nmiss] = v; }
+  ++nmiss;
+}
+int pad = -1; long long best = 0;
+for (int s = 0; s < S; ++s) {
+  if (taken[s]) continue;
+  const long long key = used[s] ? (1LL << 40) + s : (long long)stamp[s] * S + s;
+  if (pad < 0 || key < best) { best = key; pad = s; }
+}
+if (pad < 0) pad = fill_s[M - 1];
+for (int j = nmiss; j < M; ++j) { fill_e[j] = -1; fill_s[j] = pad; }
+for (int j = 0; j < N; ++j) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)slot_of_o[e] : 0u; }
+for (int s = 0; s < S; ++s) if (used[s] || taken[s]) stamp_o[s] = clk;
+clock_o[0] = clk + 1;
+count[0] = nmiss;
+counters_o[0] = counters[0] + hits;
+counters_o[1] = counters[1] + nmiss;
+"""
+
+_KERNELS = {}
+
+
+def _kernel(name, inputs, outputs, source):
+    key = (name, hashlib.sha256(source.encode()).hexdigest()[:16])
+    if key not in _KERNELS:
+        _KERNELS[key] = mx.fast.cuda_kernel(
+            name=f"titan_{name}_{key[1]}", input_names=inputs, output_names=outputs, source=source
+        )
+    return _KERNELS[key]
+
+
+def map_step_kernel(state: MapState, inds: mx.array, slots: int) -> tuple:
+    """`map_step_ops` as one single-thread CUDA kernel (the same outputs, bit for bit)."""
+    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
+    M = min(N, S)
+    k = _kernel(
+        "map",
+        ["inds", "slot_of", "expert_in", "stamp", "clock", "counters"],
+        ["slot_of_o", "expert_in_o", "stamp_o", "clock_o", "counters_o", "remapped", "fill_e", "fill_s", "count"],
+        MAP_SOURCE,
+    )
+    i32 = mx.int32
+    out = k(
+        inputs=[inds, *state.arrays()],
+        output_shapes=[(E,), (S,), (S,), (1,), (len(COUNTERS),), (N,), (M,), (M,), (1,)],
+        output_dtypes=[i32, i32, i32, i32, i32, mx.uint32, i32, i32, i32],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        template=[("E", E), ("S", S)],
+    )
+    return MapState(*out[:5]), Fill(*out[5:])
+
+
+# -- the fill ---------------------------------------------------------------------------------------
+def fill_ops(tier: HostTier, layer: int, buffers, tensors, fill: Fill):
+    """Copy the filled experts' records from the host tier into their slots: one gather of the
+    records and one scatter per tensor; the padded entries write a slot's own bytes back."""
+    M = fill.experts.shape[0]
+    rows = tier.array[layer * tier.num_experts + mx.maximum(fill.experts, 0)]
+    real = mx.arange(M) < fill.count
+    for t, buf in zip(tensors, buffers):
+        vals = rows[:, t.offset : t.offset + t.nbytes].view(mx_dtype(t.dtype)).reshape(M, *t.shape)
+        keep = buf[fill.slots]
+        buf[fill.slots] = mx.where(real.reshape(M, *[1] * len(t.shape)), vals, keep)
+
+
+def fill_source(tensors, record_bytes: int, experts: int) -> str:
+    """The fill kernel: rows r < count[0] of (fill_e, fill_s) copy tensor i of record (layer, e) of
+    the host tier at base[0] into slot s of the table at addrs[i]; `remapped` passes through, so
+    that what reads it (the layer's SwitchGLU) runs after the copy."""
+    lines = [
+        "const unsigned long long area = base[0];",
+        f"const unsigned long long first_rec = (unsigned long long)layer[0] * {experts}ULL;",
+        "const int n = count[0];",
+        "const size_t step = (size_t)gridDim.x * blockDim.x;",
+        "const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;",
+        "const size_t N = remapped_shape[0];",
+        "for (size_t i = first; i < N; i += step) remapped_o[i] = remapped[i];",
+    ]
+    for i, t in enumerate(tensors):
+        g = grain(t.offset, t.nbytes, record_bytes)
+        ct, w = CTYPES[g], t.nbytes // g
+        src = f"(const {ct}*)(area + (first_rec + (unsigned long long)fill_e[r]) * {record_bytes}ULL + {t.offset}ULL)"
+        lines.append(
+            f"for (size_t i = first; i < (size_t)n * {w}; i += step) {{ "
+            f"const size_t r = i / {w}; const size_t k = i - r * {w}; const {ct}* src = {src}; "
+            f"{ct}* dst = ({ct}*)(addrs[{i}]) + (size_t)fill_s[r] * {w}; dst[k] = src[k]; }}"
+        )
+    return "\n".join(lines)
+
+
+def device_addresses(buffers) -> np.ndarray:
+    """The device address of each (evaluated, contiguous) MLX array, read by a kernel from its own
+    inputs: MLX hands a kernel its inputs' data pointers, and no host view is taken (one would move
+    the buffer to managed memory for good)."""
+    names = [f"t{i}" for i in range(len(buffers))]
+    src = "\n".join(f"out[{i}] = (unsigned long long)(const void*){n};" for i, n in enumerate(names))
+    k = _kernel("address", names, ["out"], "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + src + "\n}")
+    (out,) = k(inputs=list(buffers), output_shapes=[(len(buffers),)], output_dtypes=[mx.uint64], grid=(1, 1, 1),
+               threadgroup=(1, 1, 1))  # fmt: skip
+    return np.array(out)
+
+
+FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
+
+
+def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=None) -> mx.array:
+    """The fill as one kernel writing into the slot tables' memory; returns `fill.remapped` as the
+    kernel's output (the dependency that orders the layer's SwitchGLU after the copy). `after`: an
+    array whose producer must have run first (the previous reader of these tables)."""
+    src = fill_source(tensors, tier.record_bytes, tier.num_experts)
+    names = ["base", "layer", "addrs", "fill_e", "fill_s", "count", "remapped"] + (
+        ["after"] if after is not None else []
+    )
+    k = _kernel("fill", names, ["remapped_o"], src)
+    inputs = [tier.base, layer_arr, addrs, fill.experts, fill.slots, fill.count, fill.remapped]
+    (out,) = k(
+        inputs=inputs + ([after] if after is not None else []),
+        output_shapes=[fill.remapped.shape],
+        output_dtypes=[mx.uint32],
+        grid=(FILL_THREADS, 1, 1),
+        threadgroup=(256, 1, 1),
+    )
+    return out
+
+
+# -- the cache --------------------------------------------------------------------------------------
+class DeviceStats(StepStats):
+    """A step's figures for the decode loop: the device counters' change since `begin_step`, read
+    when asked (after the step's evaluation, so the read waits for nothing)."""
+
+    def __init__(self, cache=None):
+        super().__init__()
+        self._cache = cache
+
+    def reset(self):
+        self.__init__(self._cache)
+
+    def as_dict(self) -> dict:
+        out = super().as_dict()
+        if self._cache is not None:
+            now = self._cache.totals()
+            out.update({k: now[k] - self._cache.at_begin[k] for k in ("hits", "misses", "bytes_read")})
+        return out
+
+
+class DeviceCache:
+    """Every MoE layer's slot tables in device memory, their slot maps on the device and the host
+    tier behind them (module docstring). The engine-wide counterpart of moe.ExpertCache for the
+    `device` install."""
+
+    def __init__(self, store, slots, mode: str | None = None, tier: HostTier | None = None):
+        if mode is None:
+            mode = "kernel" if device.kind() == "gpu" and not device.pinned_unavailable() else "ops"
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if mode == "kernel" and device.pinned_unavailable():
+            raise RuntimeError(f"the device install's kernels cannot run here: {device.pinned_unavailable()}")
+        self.mode, self.store, self.tensors = mode, store, list(store.tensors)
+        t0 = time.perf_counter()
+        self.tier = tier or HostTier(store, cuda=mode == "kernel")
+        self.num_experts = self.tier.num_experts
+        per_layer = [slots] * store.num_layers if isinstance(slots, int) else list(slots)
+        self.slots = per_layer
+        self.tables = [[mx.zeros((s, *t.shape), mx_dtype(t.dtype)) for t in self.tensors] for s in per_layer]
+        mx.eval(self.tables)
+        self.states = [MapState.empty(self.num_experts, s) for s in per_layer]
+        self.layer_ids = [mx.array([i], mx.uint32) for i in range(store.num_layers)]
+        self.addrs = None
+        if mode == "kernel":
+            self.addrs = [mx.array(device_addresses(bufs)) for bufs in self.tables]
+            mx.eval(self.addrs)
+        self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
+        for layer, s in enumerate(per_layer):
+            if s == self.num_experts:  # every expert resident: slot e = expert e, filled once
+                self.fill_all(layer)
+        self.load_seconds = time.perf_counter() - t0
+        self.stats = DeviceStats(self)
+        self.at_begin = dict.fromkeys(("hits", "misses", "bytes_read"), 0)
+        self.position, self.rows = 0, 1
+
+    def fill_all(self, layer: int):
+        remapped = self.step(layer, mx.arange(self.num_experts, dtype=mx.int32))
+        mx.eval(remapped, self.tables[layer], self.states[layer].arrays())  # the kernel's output runs it
+        # the initial fill is not a miss of any token
+        self.states[layer].counters = mx.zeros((len(COUNTERS),), mx.int32)
+
+    def step(self, layer: int, inds: mx.array) -> mx.array:
+        """The map step and fill of `layer` for the router's flat indices `inds` (int32, -1 =
+        ignore); returns the indices remapped to slots, ready for the layer's SwitchGLU."""
+        S = self.slots[layer]
+        if self.mode == "kernel":
+            state, fill = map_step_kernel(self.states[layer], inds, S)
+            remapped = fill_kernel(
+                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, self.after[layer]
+            )
+        else:
+            state, fill = map_step_ops(self.states[layer], inds, S)
+            fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
+            remapped = fill.remapped
+        self.states[layer] = state
+        return remapped
+
+    # -- what the decode loop and the engine ask -------------------------------------------------
+    def begin_step(self, position: int, rows: int):
+        self.position, self.rows = position, rows
+        self.at_begin = self.totals()
+
+    def totals(self) -> dict:
+        """hits, misses and bytes read over every layer (reads the device counters: a sync)."""
+        counts = np.array(mx.stack([s.counters for s in self.states])).sum(axis=0)
+        out = dict(zip(COUNTERS, (int(c) for c in counts)))
+        out["bytes_read"] = out["misses"] * self.store.expert_bytes
+        return out
+
+    def counters(self) -> dict:
+        t = self.totals()
+        return dict(hits=t["hits"], misses=t["misses"], evictions=None, bytes_read=t["bytes_read"])
+
+    def resident(self, layer: int) -> np.ndarray:
+        """The experts resident in `layer`'s slots (reads the map back)."""
+        return np.array(self.states[layer].expert_in)
+
+    def close(self):
+        self.tier.close()
+
+
+class DeviceSwitchGLU(OffloadedSwitch):
+    """mlx-lm's SwitchGLU (or SwitchMLP) over a layer's slot tables with the `device` install."""
+
+    def __init__(self, glu, cache: DeviceCache, layer: int):
+        super().__init__()
+        for t, buf in zip(cache.tensors, cache.tables[layer]):
+            set_param(glu, t.name, buf)
+        self.glu = glu
+        self._cache = cache
+        self._layer = layer
+
+    def __call__(self, x, indices):
+        cache, layer = self._cache, self._layer
+        S, k = cache.slots[layer], indices.shape[-1]
+        if S == cache.num_experts:
+            return self.glu(x, indices)  # slot e holds expert e
+        if indices.size <= S:  # a decode step, or any call whose choices fit: nothing leaves the device
+            remapped = cache.step(layer, indices.reshape(-1).astype(mx.int32))
+            y = self.glu(x, remapped.reshape(indices.shape))
+            cache.after[layer] = y
+            return y
+        # A prefill whose rows may route to more experts than slots: planned on the host, once per
+        # layer, in the expert batches of moe.prefill_calls, each through the same map and fill.
+        idx = np.array(indices).astype(np.int32)
+        flat = idx.reshape(-1, k)
+        pairs = flat.reshape(-1)
+        d = x.shape[-1]
+        parts, out = [], None
+        calls = prefill_calls(flat, S, device.rows_alike())
+        for call in calls:
+            masked = np.full(pairs.size, -1, np.int32)
+            masked[call.pairs] = pairs[call.pairs]
+            remapped = cache.step(layer, mx.array(masked))
+            if call.compact:
+                sel = mx.array(call.pairs)
+                y = self.glu(x.reshape(-1, d)[mx.array(call.pairs // k)], remapped[sel][:, None])
+                parts.append(y.reshape(-1, d))
+                cache.after[layer] = parts[-1]
+            else:
+                y = self.glu(x, remapped.reshape(indices.shape))
+                keep = np.zeros(pairs.size, bool)
+                keep[call.pairs] = True
+                out = y if out is None else mx.where(mx.array(keep.reshape(idx.shape))[..., None], y, out)
+                cache.after[layer] = out
+            if cache.mode == "ops":
+                mx.eval(cache.after[layer])  # the next batch's scatter must not wait on this one's reads
+        if out is not None:
+            return out
+        back = mx.array(np.argsort(np.concatenate([c.pairs for c in calls])))
+        return mx.concatenate(parts, axis=0)[back].reshape(*idx.shape, d)

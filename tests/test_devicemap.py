@@ -1,0 +1,263 @@
+"""The `device` install (engine/runtime/devicemap.py) as CI can run it: its slot map as MLX
+operations against a NumPy model of the algorithm, the engine on it bit-identical to mlx-lm at every
+slot count, no host read inside a decode token, the host tier's checks, and on a CUDA GPU the
+kernels against the operations."""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from conftest import MODELS, gpu_only, run_engine
+
+from engine import EngineConfig, device, load, max_abs_diff
+from engine.models.registry import load_reference
+from engine.runtime import devicemap, hosttier, moe
+from engine.runtime.devicemap import MapState, map_step_ops
+from engine.runtime.loop import decode
+
+
+def reference_step(slot_of, expert_in, stamp, clock, counters, inds, S):
+    """The map step as the module docstring says it, one entry at a time."""
+    slot_of, expert_in, stamp = slot_of.copy(), expert_in.copy(), stamp.copy()
+    N = len(inds)
+    M = min(N, S)
+    used = np.zeros(S, bool)
+    for e in inds:
+        if e >= 0 and slot_of[e] >= 0:
+            used[slot_of[e]] = True
+    orig = slot_of.copy()
+    taken, seen, fills, hits = np.zeros(S, bool), set(), [], 0
+    for e in inds:
+        if e < 0 or e in seen:
+            continue
+        seen.add(e)
+        if orig[e] >= 0:
+            hits += 1
+            continue
+        v = min((s for s in range(S) if not used[s] and not taken[s]), key=lambda s: stamp[s] * S + s)
+        taken[v] = True
+        if expert_in[v] >= 0:
+            slot_of[expert_in[v]] = -1
+        slot_of[e], expert_in[v] = v, e
+        fills.append((e, v))
+    rest = [s for s in range(S) if not taken[s]]
+    pad = min(rest, key=lambda s: (devicemap.BIG + s) if used[s] else stamp[s] * S + s) if rest else fills[-1][1]
+    fe = [e for e, _ in fills] + [-1] * (M - len(fills))
+    fs = [v for _, v in fills] + [pad] * (M - len(fills))
+    remapped = [slot_of[e] if e >= 0 else 0 for e in inds]
+    stamp[used | taken] = clock
+    return (slot_of, expert_in, stamp, clock + 1, counters + [hits, len(fills)]), (remapped, fe, fs, len(fills))
+
+
+def random_steps(rng, E, S, steps):
+    """Decode-like steps (k distinct experts) and prefill-like ones (repeats and ignored pairs),
+    never more distinct experts in one step than slots."""
+    for i in range(steps):
+        if i % 3 == 2:
+            chosen = rng.choice(E, size=rng.integers(1, S + 1), replace=False)
+            inds = rng.choice(chosen, size=20)
+            inds[rng.random(20) < 0.3] = -1
+        else:
+            inds = rng.choice(E, size=min(4, S), replace=False)
+        yield inds.astype(np.int32)
+
+
+@pytest.mark.parametrize("E,S", [(16, 6), (16, 4), (8, 8), (64, 16)])
+def test_the_map_step_is_the_algorithm(E, S):
+    """200 steps: hits stay, each distinct miss gets the least recently used slot no entry of the
+    step uses (empty slots first, lowest first), the evicted expert leaves the map, the fill list
+    names what to copy and pads with a slot that keeps its bytes, counters count distinct experts."""
+    rng = np.random.default_rng(E * 100 + S)
+    state = MapState.empty(E, S)
+    ref = (np.full(E, -1), np.full(S, -1), np.full(S, -1), 0, np.zeros(2, int))
+    for inds in random_steps(rng, E, S, 200):
+        state, fill = map_step_ops(state, mx.array(inds), S)
+        ref, (remapped, fe, fs, n) = reference_step(*ref, inds, S)
+        got = [np.array(a) for a in state.arrays()]
+        assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]) and np.array_equal(got[2], ref[2])
+        assert int(got[3][0]) == ref[3] and np.array_equal(got[4], ref[4])
+        assert np.array(fill.remapped).tolist() == remapped
+        assert np.array(fill.experts).tolist() == fe and np.array(fill.slots).tolist() == fs
+        assert int(fill.count[0]) == n
+        valid = inds >= 0  # what the layer's SwitchGLU gets: each valid pair's expert, in its slot
+        assert np.array_equal(got[1][np.array(fill.remapped)[valid]], inds[valid])
+
+
+CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
+
+
+@pytest.mark.parametrize("model_id,slots", CASES)
+def test_device_install_logits_bit_identical(reference, model_id, slots):
+    """The prefill and 32 decode steps through the device install equal mlx-lm's bit for bit."""
+    ref = reference(model_id)
+    records, logits, counters = run_engine(model_id, ref, slots=slots, install="device")
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    if slots < MODELS[model_id]["experts"]:
+        assert counters["misses"] > 0 and counters["hits"] > 0
+        dec = [r for r in records if r["phase"] == "decode"]
+        assert sum(r["misses"] for r in dec) > 0  # the decode loop's per-step figures come from the device
+
+
+def test_a_prefill_larger_than_the_table_reads_each_expert_once():
+    """A prompt routing to more experts than S: the expert batches of moe.prefill_calls, each
+    expert filled once a layer, the latest rows' experts left resident."""
+    model, tok, _ = load_reference("qwen3moe-tiny")
+    from engine.predict import trace
+
+    ids = tok.encode("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)")
+    routed = trace.record(model, ids, 0)["experts"]
+    _, _, want = decode(model, ids, 0, keep_logits=True)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=8, install="device"))
+    try:
+        _, _, got = decode(eng.model, ids, 0, keep_logits=True)
+        for layer in range(len(eng.tables)):
+            used = np.unique(routed[:, layer])
+            assert len(used) > 8
+            assert int(np.array(eng.cache.states[layer].counters)[1]) == len(used)  # each filled once
+            assert set(routed[-1, layer].tolist()) <= set(eng.cache.resident(layer).tolist())
+    finally:
+        eng.close()
+    assert max_abs_diff(want, got) == 0.0
+
+
+class Counting:
+    """A stand-in for a module's `np` that counts MLX arrays read back to the host."""
+
+    def __init__(self, real):
+        self.real, self.reads = real, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.real, name)
+        if name in ("array", "asarray"):
+
+            def read(a, *args, **kw):
+                if isinstance(a, mx.array):
+                    self.reads += 1
+                return attr(a, *args, **kw)
+
+            return read
+        return attr
+
+
+@pytest.mark.parametrize("install", ["device", "inplace"])
+def test_host_synchronisations_per_decode_token(monkeypatch, install):
+    """Per decode token, the device install reads nothing back inside the model call and is
+    evaluated once (the decode loop's); Algorithm 1's path reads the routing back at every MoE
+    layer (which this counter sees, so it would see the device install do so)."""
+    counts = Counting(np)
+    monkeypatch.setattr(moe, "np", counts)
+    monkeypatch.setattr(devicemap, "np", counts)
+    evals = []
+    real_eval, real_async = mx.eval, mx.async_eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append("eval") or real_eval(*a))
+    monkeypatch.setattr(mx, "async_eval", lambda *a: evals.append("async") or real_async(*a))
+    eng = load("olmoe-tiny", EngineConfig(slots=16, install=install))
+    try:
+        ids = eng.tokenizer.encode("def main():")
+        inp = mx.array(ids, dtype=mx.uint32)[None]
+        cache = mlx_lm.models.cache.make_prompt_cache(eng.model)
+        real_eval(eng.model(inp, cache=cache))  # the prefill
+        layers = len(eng.tables)
+        per_token = []
+        for tok in (5, 17, 33, 2):
+            counts.reads, evals[:] = 0, []
+            logits = eng.model(mx.array([[tok]], dtype=mx.uint32), cache=cache)
+            mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
+            per_token.append((counts.reads, evals.count("eval")))
+    finally:
+        eng.close()
+    if install == "device":
+        assert per_token == [(0, 1)] * 4
+    else:
+        assert all(reads == layers for reads, _ in per_token)
+
+
+def test_the_host_tier_is_refused_by_name_when_it_does_not_fit(monkeypatch):
+    monkeypatch.setattr(hosttier, "available_bytes", lambda: 1_000_000)
+    with pytest.raises(ValueError, match=r"--install device cannot run here: its host tier \(0\.\d+ GB\) does not fit"):
+        load("olmoe-tiny", EngineConfig(slots=16, install="device"))
+    with pytest.raises(hosttier.HostTierError, match=r"needs 0\.\d+ GB of host memory .* has 0\.00 GB available"):
+        from engine.models import registry
+        from engine.runtime.engine import open_store
+
+        model, _, spec, path = registry.load("olmoe-tiny", lazy=True)
+        store = open_store("olmoe-tiny", model, path)
+        try:
+            hosttier.HostTier(store, cuda=False)
+        finally:
+            store.close()
+
+
+def test_auto_is_the_device_install_on_a_cuda_gpu(monkeypatch):
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
+    assert device.default_install("gpu") == "device"
+    assert device.default_install("cpu") == "inplace"
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: "no CUDA runtime")
+    assert device.default_install("gpu") == "copy"
+
+
+def test_auto_steps_back_to_pinned_where_the_host_tier_does_not_fit(monkeypatch, capsys):
+    monkeypatch.setattr(device, "resolve_install", lambda mode, kind=None: "device" if mode == "auto" else "inplace")
+    monkeypatch.setattr(hosttier, "fits", lambda n, margin=0.8: False)
+    eng = load("olmoe-tiny", EngineConfig(slots=16))
+    try:
+        assert eng.install == "inplace"  # what `pinned` is on this CPU
+    finally:
+        eng.close()
+    assert "install auto: inplace, not device: its host tier" in capsys.readouterr().err
+
+
+# -- on a CUDA GPU: the kernels ---------------------------------------------------------------------
+@gpu_only
+@pytest.mark.parametrize("E,S", [(16, 6), (64, 16)])
+def test_the_map_kernel_gives_the_operations_maps(E, S):
+    rng = np.random.default_rng(7)
+    a, b = MapState.empty(E, S), MapState.empty(E, S)
+    for inds in random_steps(rng, E, S, 100):
+        a, fa = map_step_ops(a, mx.array(inds), S)
+        b, fb = devicemap.map_step_kernel(b, mx.array(inds), S)
+        for x, y in zip(
+            a.arrays() + [fa.remapped, fa.experts, fa.slots, fa.count],
+            b.arrays() + [fb.remapped, fb.experts, fb.slots, fb.count],
+        ):
+            assert np.array_equal(np.array(x), np.array(y))
+
+
+@gpu_only
+def test_the_fill_kernel_writes_the_slots_in_place_and_nothing_else():
+    """Through addresses read by a kernel from its inputs: the named slots take the host tier's
+    records, the others keep their bytes, and the tables are still where they were."""
+    eng = load("olmoe-tiny", EngineConfig(slots=8, install="device"))
+    try:
+        cache = eng.cache
+        before = [np.array(b) for b in cache.tables[0]]
+        addrs = devicemap.device_addresses(cache.tables[0])
+        state, fill = devicemap.map_step_kernel(cache.states[0], mx.array([3, 9, 40, 63], mx.int32), 8)
+        out = devicemap.fill_kernel(cache.tier, cache.layer_ids[0], cache.addrs[0], cache.tensors, fill)
+        mx.eval(out)
+        slots = np.array(fill.slots)[: int(fill.count[0])]
+        for t, b, old in zip(cache.tensors, cache.tables[0], before):
+            now = np.array(b)
+            for e, s in zip([3, 9, 40, 63], slots):
+                row = cache.tier.rows[cache.tier.row(0, e)][t.offset : t.offset + t.nbytes]
+                assert now[s].tobytes() == row.tobytes()
+            others = [s for s in range(8) if s not in set(slots.tolist())]
+            assert np.array_equal(now[others], old[others])
+        assert np.array_equal(devicemap.device_addresses(cache.tables[0]), addrs)
+    finally:
+        eng.close()
+
+
+@gpu_only
+def test_stream_generate_through_the_device_install_gives_mlx_lms_tokens():
+    model, tok, _ = load_reference("qwen3moe-tiny")
+    text = " ".join(["def f(x): return x * 2 if x > 0 else -x"] * 40)
+    ids = tok.encode(text)[:300]
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, ids, max_tokens=16)]
+    for slots in (8, 32, 128):
+        eng = load("qwen3moe-tiny", EngineConfig(slots=slots, install="device"))
+        try:
+            got = [r.token for r in mlx_lm.stream_generate(eng.model, eng.tokenizer, ids, max_tokens=16)]
+        finally:
+            eng.close()
+        assert got == want, slots
