@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import MODELS, gpu_only, run_engine
+from conftest import MODELS, gpu_only, run_engine, run_with
 
 from engine import EngineConfig, device, load, max_abs_diff
 from engine.models.registry import load_reference
@@ -16,8 +16,8 @@ from engine.runtime.devicemap import MapState, map_step_ops
 from engine.runtime.loop import decode
 
 
-def reference_step(slot_of, expert_in, stamp, clock, counters, inds, S):
-    """The map step as the module docstring says it, one entry at a time."""
+def reference_step(slot_of, expert_in, stamp, clock, counters, pending, inds, S):
+    """The demand map step as the module docstring says it, one entry at a time."""
     slot_of, expert_in, stamp = slot_of.copy(), expert_in.copy(), stamp.copy()
     N = len(inds)
     M = min(N, S)
@@ -40,13 +40,56 @@ def reference_step(slot_of, expert_in, stamp, clock, counters, inds, S):
             slot_of[expert_in[v]] = -1
         slot_of[e], expert_in[v] = v, e
         fills.append((e, v))
-    rest = [s for s in range(S) if not taken[s]]
-    pad = min(rest, key=lambda s: (devicemap.BIG + s) if used[s] else stamp[s] * S + s) if rest else fills[-1][1]
+    pad = _pad(S, used, taken, stamp, fills)
     fe = [e for e, _ in fills] + [-1] * (M - len(fills))
     fs = [v for _, v in fills] + [pad] * (M - len(fills))
     remapped = [slot_of[e] if e >= 0 else 0 for e in inds]
     stamp[used | taken] = clock
-    return (slot_of, expert_in, stamp, clock + 1, counters + [hits, len(fills)]), (remapped, fe, fs, len(fills))
+    useful, wasted = int((pending & used).sum()), int((pending & ~used).sum())
+    counters = counters + [hits, len(fills), 0, useful, wasted]
+    state = (slot_of, expert_in, stamp, clock + 1, counters, np.zeros(S, bool))
+    return state, (remapped, fe, fs, len(fills))
+
+
+def _pad(S, used, taken, stamp, fills):
+    rest = [s for s in range(S) if not taken[s]]
+    return min(rest, key=lambda s: (devicemap.BIG + s) if used[s] else stamp[s] * S + s) if rest else fills[-1][1]
+
+
+def reference_prefetch(slot_of, expert_in, stamp, clock, counters, pending, inds, S, protect=False):
+    """The prefetch step as `prefetch_step_ops` says it, one entry at a time."""
+    slot_of, expert_in, stamp, pending = slot_of.copy(), expert_in.copy(), stamp.copy(), pending.copy()
+    M = min(len(inds), S)
+    orig, orig_stamp = slot_of.copy(), stamp.copy()
+    used = (orig_stamp == clock - 1) if protect else np.zeros(S, bool)
+    for e in inds:
+        if e >= 0 and orig[e] >= 0:
+            used[orig[e]] = True
+    free = int((~used).sum())
+    taken, seen, fills, wanted, wasted = np.zeros(S, bool), set(), [], 0, 0
+    for e in inds:
+        if e < 0 or e in seen:
+            continue
+        seen.add(e)
+        if orig[e] >= 0:
+            stamp[orig[e]] = clock
+            continue
+        wanted += 1
+        if wanted > free:
+            continue
+        v = min((s for s in range(S) if not used[s] and not taken[s]), key=lambda s: orig_stamp[s] * S + s)
+        taken[v] = True
+        if expert_in[v] >= 0:
+            slot_of[expert_in[v]] = -1
+        slot_of[e], expert_in[v] = v, e
+        wasted += bool(pending[v])
+        pending[v], stamp[v] = True, clock
+        fills.append((e, v))
+    pad = _pad(S, used, taken, orig_stamp, fills)
+    fe = [e for e, _ in fills] + [-1] * (M - len(fills))
+    fs = [v for _, v in fills] + [pad] * (M - len(fills))
+    counters = counters + [0, 0, len(fills), 0, wasted]
+    return (slot_of, expert_in, stamp, clock, counters, pending), (fe, fs, len(fills))
 
 
 def random_steps(rng, E, S, steps):
@@ -62,25 +105,44 @@ def random_steps(rng, E, S, steps):
         yield inds.astype(np.int32)
 
 
+def _same(state, ref):
+    got = [np.array(a) for a in state.arrays()]
+    for i in (0, 1, 2):
+        assert np.array_equal(got[i], ref[i])
+    assert int(got[3][0]) == ref[3] and np.array_equal(got[4], ref[4]) and np.array_equal(got[5] > 0, ref[5])
+
+
 @pytest.mark.parametrize("E,S", [(16, 6), (16, 4), (8, 8), (64, 16)])
 def test_the_map_step_is_the_algorithm(E, S):
-    """200 steps: hits stay, each distinct miss gets the least recently used slot no entry of the
-    step uses (empty slots first, lowest first), the evicted expert leaves the map, the fill list
-    names what to copy and pads with a slot that keeps its bytes, counters count distinct experts."""
+    """300 steps, demand and prefetch: a demand step keeps hits, gives each distinct miss the least
+    recently used slot no entry of the step uses (empty slots first, lowest first), evicts what was
+    there, names what to copy (padding with a slot that keeps its bytes) and counts distinct
+    experts; a prefetched slot is useful if the next demand step hits it, wasted if it is evicted
+    or not used; a prefetch fills as many predicted experts as there are slots it may take."""
     rng = np.random.default_rng(E * 100 + S)
     state = MapState.empty(E, S)
-    ref = (np.full(E, -1), np.full(S, -1), np.full(S, -1), 0, np.zeros(2, int))
-    for inds in random_steps(rng, E, S, 200):
+    ref = (np.full(E, -1), np.full(S, -1), np.full(S, -1), 0, np.zeros(5, int), np.zeros(S, bool))
+    for i, inds in enumerate(random_steps(rng, E, S, 300)):
+        if i % 4 == 1:  # a prediction for the next step: likely experts, some dropped
+            pred = rng.choice(E, size=min(6, E), replace=False).astype(np.int32)
+            pred[rng.random(len(pred)) < 0.2] = -1
+            protect = bool(i % 8 == 1)
+            state, fill = devicemap.prefetch_step_ops(state, mx.array(pred), S, protect)
+            ref, (fe, fs, n) = reference_prefetch(*ref, pred, S, protect)
+            _same(state, ref)
+            assert np.array(fill.experts).tolist() == fe and np.array(fill.slots).tolist() == fs
+            assert int(fill.count[0]) == n
+            continue
         state, fill = map_step_ops(state, mx.array(inds), S)
         ref, (remapped, fe, fs, n) = reference_step(*ref, inds, S)
-        got = [np.array(a) for a in state.arrays()]
-        assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]) and np.array_equal(got[2], ref[2])
-        assert int(got[3][0]) == ref[3] and np.array_equal(got[4], ref[4])
+        _same(state, ref)
         assert np.array(fill.remapped).tolist() == remapped
         assert np.array(fill.experts).tolist() == fe and np.array(fill.slots).tolist() == fs
         assert int(fill.count[0]) == n
         valid = inds >= 0  # what the layer's SwitchGLU gets: each valid pair's expert, in its slot
-        assert np.array_equal(got[1][np.array(fill.remapped)[valid]], inds[valid])
+        assert np.array_equal(np.array(state.expert_in)[np.array(fill.remapped)[valid]], inds[valid])
+    if S < E:
+        assert ref[4][2] > 0 and ref[4][3] > 0 and ref[4][4] > 0  # prefetches issued, useful and wasted
 
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
@@ -96,6 +158,31 @@ def test_device_install_logits_bit_identical(reference, model_id, slots):
         assert counters["misses"] > 0 and counters["hits"] > 0
         dec = [r for r in records if r["phase"] == "decode"]
         assert sum(r["misses"] for r in dec) > 0  # the decode loop's per-step figures come from the device
+
+
+@pytest.mark.parametrize(
+    "name,depth", [("oracle", 1), ("oracle", 2), ("probe", 1), ("transition", 1), ("popularity", 2), ("previous", 1),
+                   ("transition", 3)]
+)  # fmt: skip
+def test_device_prefetch_bit_identical(reference, fit_traces, name, depth):
+    """Every predictor's prefetches through the device install, at depths that stay within the
+    token and that wrap onto the next (3 = every layer of qwen3moe-tiny: onto the very layer
+    being computed): the logits stay mlx-lm's."""
+    ref = reference("qwen3moe-tiny")
+    records, logits = run_with("qwen3moe-tiny", ref, name, depth, fit_traces("qwen3moe-tiny"), install="device")
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    dec = records[1:]
+    if name != "previous":  # `previous` predicts what is resident already
+        assert sum(r["issued"] for r in dec) > 0
+
+
+def test_device_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fit_traces):
+    ref = reference("qwen3moe-tiny")
+    records, _ = run_with("qwen3moe-tiny", ref, "oracle", 1, fit_traces("qwen3moe-tiny"), slots=32, install="device")
+    dec = records[2:]  # past the prefill and the first decode step
+    assert sum(r["useful"] for r in dec) > 0
+    assert sum(r["wasted"] for r in dec) == 0
+    assert sum(r["misses"] for r in dec) == 0
 
 
 def test_a_prefill_larger_than_the_table_reads_each_expert_once():
@@ -216,6 +303,11 @@ def test_the_map_kernel_gives_the_operations_maps(E, S):
     for inds in random_steps(rng, E, S, 100):
         a, fa = map_step_ops(a, mx.array(inds), S)
         b, fb = devicemap.map_step_kernel(b, mx.array(inds), S)
+        pred = mx.array(rng.choice(E, size=6, replace=False).astype(np.int32))
+        a, pa = devicemap.prefetch_step_ops(a, pred, S)
+        b, pb = devicemap.prefetch_step_kernel(b, pred, S)
+        for x, y in zip(a.arrays() + [pa.experts, pa.slots, pa.count], b.arrays() + [pb.experts, pb.slots, pb.count]):
+            assert np.array_equal(np.array(x), np.array(y))
         for x, y in zip(
             a.arrays() + [fa.remapped, fa.experts, fa.slots, fa.count],
             b.arrays() + [fb.remapped, fb.experts, fb.slots, fb.count],

@@ -48,9 +48,12 @@ from .staging import _CTYPES as CTYPES
 from .staging import grain
 from .store import set_param
 
-COUNTERS = ("hits", "misses")  # per layer, on the device: unique experts found resident / filled
+# Per layer, on the device: distinct experts found resident / filled on demand; prefetched experts
+# filled, then used by the demand step they were for, or not (evicted first, or not routed to).
+COUNTERS = ("hits", "misses", "issued", "useful", "wasted")
 BIG = 1 << 40  # a used slot's LRU key: after every unused one
 MODES = ("kernel", "ops")
+STEP_FIGURES = ("hits", "misses", "bytes_read", "issued", "useful", "wasted")
 
 
 @dataclass
@@ -60,8 +63,9 @@ class MapState:
     slot_of: mx.array  # (E,) the slot of each expert, -1 if not resident
     expert_in: mx.array  # (S,) the expert in each slot, -1 if empty
     stamp: mx.array  # (S,) the step each slot was last used at, -1 if never
-    clock: mx.array  # (1,) this layer's step count
+    clock: mx.array  # (1,) this layer's demand step count
     counters: mx.array  # (len(COUNTERS),)
+    pending: mx.array  # (S,) 1 where a prefetch filled the slot and no demand step has looked yet
 
     @classmethod
     def empty(cls, experts: int, slots: int):
@@ -71,12 +75,13 @@ class MapState:
             mx.full((slots,), -1, mx.int32),
             mx.zeros((1,), mx.int32),
             mx.zeros((len(COUNTERS),), mx.int32),
+            mx.zeros((slots,), mx.int32),
         )
         mx.eval(s.arrays())
         return s
 
     def arrays(self) -> list:
-        return [self.slot_of, self.expert_in, self.stamp, self.clock, self.counters]
+        return [self.slot_of, self.expert_in, self.stamp, self.clock, self.counters, self.pending]
 
 
 @dataclass
@@ -128,9 +133,67 @@ def map_step_ops(state: MapState, inds: mx.array, slots: int) -> tuple:
     pad = order[mx.minimum(nmiss, S - 1)]
     fill_s = mx.broadcast_to(pad, (M + 1,)).astype(mx.int32)
     fill_s[at] = victim
-    counters = state.counters + mx.stack([uhit.astype(mx.int32).sum(), nmiss])
-    new = MapState(slot_of, expert_in, stamp, state.clock + 1, counters)
+    # a prefetched slot is useful if this step hits it, wasted otherwise; either way it is looked at
+    pend = state.pending > 0
+    useful = (pend & used).astype(mx.int32).sum()
+    wasted = (pend & ~used).astype(mx.int32).sum()
+    zero = mx.array(0, mx.int32)
+    counters = state.counters + mx.stack([uhit.astype(mx.int32).sum(), nmiss, zero, useful, wasted])
+    new = MapState(slot_of, expert_in, stamp, state.clock + 1, counters, mx.zeros_like(state.pending))
     return new, Fill(remapped, fill_e[:M], fill_s[:M], nmiss.reshape(1))
+
+
+def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recent: bool = False) -> tuple:
+    """A prefetch of the predicted experts `inds` (m,) int32 (-1: dropped) into this layer's map:
+    those already resident are touched (so that the demand step finds them), each other one, in
+    the order given (likeliest first), takes the least recently used slot not predicted here, as
+    long as there is one, and is marked pending; a pending slot evicted this way is wasted.
+    `protect_recent`: the slots the latest demand step used keep their experts too (a depth that
+    wraps onto the layer being computed). The clock does not move: it counts demand steps."""
+    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
+    M = min(N, S)
+    pos = mx.arange(N, dtype=mx.int32)
+    valid = inds >= 0
+    e = mx.where(valid, inds, 0)
+    cur = mx.where(valid, state.slot_of[e], -1)
+    hit = cur >= 0
+    first = mx.full((E + 1,), N, mx.int32).at[mx.where(valid, e, E)].minimum(pos)
+    unique = valid & (first[e] == pos)
+    want = unique & ~hit
+    slot_ids = mx.arange(S, dtype=mx.int64)
+    used = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
+    if protect_recent:
+        used = used | (state.stamp == state.clock - 1)
+    free = S - used.astype(mx.int32).sum()
+    key = mx.where(used, BIG + slot_ids, state.stamp.astype(mx.int64) * S + slot_ids)
+    order = mx.argsort(key).astype(mx.int32)
+    rank = mx.cumsum(want.astype(mx.int32)) - 1
+    issue = want & (rank < free)
+    n = issue.astype(mx.int32).sum()
+    victim = order[mx.clip(rank, 0, S - 1)]
+    evicted = state.expert_in[victim]
+    slot_of = mx.concatenate([state.slot_of, mx.array([-1], mx.int32)])
+    slot_of[mx.where(issue & (evicted >= 0), evicted, E)] = -1
+    slot_of[mx.where(issue, e, E)] = mx.where(issue, victim, -1)
+    slot_of = slot_of[:E]
+    expert_in = mx.concatenate([state.expert_in, mx.array([-1], mx.int32)])
+    expert_in[mx.where(issue, victim, S)] = e
+    expert_in = expert_in[:S]
+    filled = mx.zeros((S + 1,), mx.int32).at[mx.where(issue, victim, S)].add(1)[:S] > 0
+    touched = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
+    stamp = mx.where(filled | touched, state.clock, state.stamp)
+    wasted = ((state.pending > 0) & filled).astype(mx.int32).sum()
+    pending = mx.where(filled, 1, state.pending).astype(mx.int32)
+    at = mx.where(issue, rank, M)
+    fill_e = mx.full((M + 1,), -1, mx.int32)
+    fill_e[at] = e
+    pad = order[mx.minimum(n, S - 1)]
+    fill_s = mx.broadcast_to(pad, (M + 1,)).astype(mx.int32)
+    fill_s[at] = victim
+    zero = mx.array(0, mx.int32)
+    counters = state.counters + mx.stack([zero, zero, n, zero, wasted])
+    new = MapState(slot_of, expert_in, stamp, state.clock, counters, pending)
+    return new, Fill(mx.zeros((1,), mx.uint32), fill_e[:M], fill_s[:M], n.reshape(1))
 
 
 # -- the map step as one CUDA kernel ----------------------------------------------------------------
@@ -175,10 +238,68 @@ if (pad < 0) pad = fill_s[M - 1];
 for (int j = nmiss; j < M; ++j) { fill_e[j] = -1; fill_s[j] = pad; }
 for (int j = 0; j < N; ++j) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)slot_of_o[e] : 0u; }
 for (int s = 0; s < S; ++s) if (used[s] || taken[s]) stamp_o[s] = clk;
+int useful = 0, wasted = 0;
+for (int s = 0; s < S; ++s) { if (pending[s]) { if (used[s]) ++useful; else ++wasted; } pending_o[s] = 0; }
 clock_o[0] = clk + 1;
 count[0] = nmiss;
 counters_o[0] = counters[0] + hits;
 counters_o[1] = counters[1] + nmiss;
+counters_o[2] = counters[2];
+counters_o[3] = counters[3] + useful;
+counters_o[4] = counters[4] + wasted;
+"""
+
+PREFETCH_SOURCE = """
+if (blockIdx.x != 0 || threadIdx.x != 0) return;
+const int N = inds_shape[0];
+const int M = N < S ? N : S;
+for (int e = 0; e < E; ++e) slot_of_o[e] = slot_of[e];
+for (int s = 0; s < S; ++s) { expert_in_o[s] = expert_in[s]; stamp_o[s] = stamp[s]; pending_o[s] = pending[s]; }
+const int clk = clock[0];
+bool used[S], taken[S], seen[E];
+for (int s = 0; s < S; ++s) { used[s] = PROTECT && stamp[s] == clk - 1; taken[s] = false; }
+for (int e = 0; e < E; ++e) seen[e] = false;
+for (int j = 0; j < N; ++j) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
+int nfree = 0;
+for (int s = 0; s < S; ++s) if (!used[s]) ++nfree;
+int n = 0, wasted = 0, rank = 0;
+for (int j = 0; j < N; ++j) {
+  const int e = inds[j];
+  if (e < 0 || seen[e]) continue;
+  seen[e] = true;
+  if (slot_of[e] >= 0) { stamp_o[slot_of[e]] = clk; continue; }
+  if (rank++ >= nfree) continue;
+  long long best = 0; int v = -1;
+  for (int s = 0; s < S; ++s) {
+    if (used[s] || taken[s]) continue;
+    const long long key = (long long)stamp[s] * S + s;
+    if (v < 0 || key < best) { best = key; v = s; }
+  }
+  taken[v] = true;
+  const int old = expert_in_o[v];
+  if (old >= 0) slot_of_o[old] = -1;
+  slot_of_o[e] = v; expert_in_o[v] = e;
+  if (pending[v]) ++wasted;
+  pending_o[v] = 1;
+  stamp_o[v] = clk;
+  fill_e[n] = e; fill_s[n] = v;
+  ++n;
+}
+int pad = -1; long long best = 0;
+for (int s = 0; s < S; ++s) {
+  if (taken[s]) continue;
+  const long long key = used[s] ? (1LL << 40) + s : (long long)stamp[s] * S + s;
+  if (pad < 0 || key < best) { best = key; pad = s; }
+}
+if (pad < 0) pad = fill_s[M - 1];
+for (int j = n; j < M; ++j) { fill_e[j] = -1; fill_s[j] = pad; }
+clock_o[0] = clk;
+count[0] = n;
+counters_o[0] = counters[0];
+counters_o[1] = counters[1];
+counters_o[2] = counters[2] + n;
+counters_o[3] = counters[3];
+counters_o[4] = counters[4] + wasted;
 """
 
 _KERNELS = {}
@@ -193,26 +314,48 @@ def _kernel(name, inputs, outputs, source):
     return _KERNELS[key]
 
 
-def map_step_kernel(state: MapState, inds: mx.array, slots: int) -> tuple:
+def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) -> tuple:
     """`map_step_ops` as one single-thread CUDA kernel (the same outputs, bit for bit)."""
     E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
     M = min(N, S)
-    k = _kernel(
-        "map",
-        ["inds", "slot_of", "expert_in", "stamp", "clock", "counters"],
-        ["slot_of_o", "expert_in_o", "stamp_o", "clock_o", "counters_o", "remapped", "fill_e", "fill_s", "count"],
-        MAP_SOURCE,
-    )
+    k = _kernel("map", STATE_IN, STATE_OUT + ["remapped", "fill_e", "fill_s", "count"], MAP_SOURCE)
     i32 = mx.int32
     out = k(
         inputs=[inds, *state.arrays()],
-        output_shapes=[(E,), (S,), (S,), (1,), (len(COUNTERS),), (N,), (M,), (M,), (1,)],
-        output_dtypes=[i32, i32, i32, i32, i32, mx.uint32, i32, i32, i32],
+        output_shapes=state_shapes(E, S) + [(N,), (M,), (M,), (1,)],
+        output_dtypes=[i32] * 6 + [mx.uint32, i32, i32, i32],
         grid=(1, 1, 1),
         threadgroup=(1, 1, 1),
         template=[("E", E), ("S", S)],
+        stream=stream,
     )
-    return MapState(*out[:5]), Fill(*out[5:])
+    return MapState(*out[:6]), Fill(*out[6:])
+
+
+def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_recent=False, stream=None) -> tuple:
+    """`prefetch_step_ops` as one single-thread CUDA kernel."""
+    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
+    M = min(N, S)
+    k = _kernel("prefetch", STATE_IN, STATE_OUT + ["fill_e", "fill_s", "count"], PREFETCH_SOURCE)
+    i32 = mx.int32
+    out = k(
+        inputs=[inds, *state.arrays()],
+        output_shapes=state_shapes(E, S) + [(M,), (M,), (1,)],
+        output_dtypes=[i32] * 6 + [i32, i32, i32],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        template=[("E", E), ("S", S), ("PROTECT", bool(protect_recent))],
+        stream=stream,
+    )
+    return MapState(*out[:6]), Fill(mx.zeros((1,), mx.uint32), *out[6:])
+
+
+STATE_IN = ["inds", "slot_of", "expert_in", "stamp", "clock", "counters", "pending"]
+STATE_OUT = ["slot_of_o", "expert_in_o", "stamp_o", "clock_o", "counters_o", "pending_o"]
+
+
+def state_shapes(E: int, S: int) -> list:
+    return [(E,), (S,), (S,), (1,), (len(COUNTERS),), (S,)]
 
 
 # -- the fill ---------------------------------------------------------------------------------------
@@ -268,22 +411,24 @@ def device_addresses(buffers) -> np.ndarray:
 FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
 
 
-def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=None) -> mx.array:
+def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=(), stream=None) -> mx.array:
     """The fill as one kernel writing into the slot tables' memory; returns `fill.remapped` as the
-    kernel's output (the dependency that orders the layer's SwitchGLU after the copy). `after`: an
-    array whose producer must have run first (the previous reader of these tables)."""
+    kernel's output (the dependency that orders the layer's SwitchGLU after the copy). `after`:
+    arrays whose producers must have run first (the previous readers of these tables, a prefetch's
+    fill of them): MLX orders kernels by what they read and write, and it cannot see these writes."""
+    after = [a for a in after if a is not None]
     src = fill_source(tensors, tier.record_bytes, tier.num_experts)
-    names = ["base", "layer", "addrs", "fill_e", "fill_s", "count", "remapped"] + (
-        ["after"] if after is not None else []
-    )
+    names = ["base", "layer", "addrs", "fill_e", "fill_s", "count", "remapped"] + [
+        f"after{i}" for i in range(len(after))
+    ]
     k = _kernel("fill", names, ["remapped_o"], src)
-    inputs = [tier.base, layer_arr, addrs, fill.experts, fill.slots, fill.count, fill.remapped]
     (out,) = k(
-        inputs=inputs + ([after] if after is not None else []),
+        inputs=[tier.base, layer_arr, addrs, fill.experts, fill.slots, fill.count, fill.remapped, *after],
         output_shapes=[fill.remapped.shape],
         output_dtypes=[mx.uint32],
         grid=(FILL_THREADS, 1, 1),
         threadgroup=(256, 1, 1),
+        stream=stream,
     )
     return out
 
@@ -304,7 +449,7 @@ class DeviceStats(StepStats):
         out = super().as_dict()
         if self._cache is not None:
             now = self._cache.totals()
-            out.update({k: now[k] - self._cache.at_begin[k] for k in ("hits", "misses", "bytes_read")})
+            out.update({k: now[k] - self._cache.at_begin[k] for k in STEP_FIGURES})
         return out
 
 
@@ -313,7 +458,7 @@ class DeviceCache:
     tier behind them (module docstring). The engine-wide counterpart of moe.ExpertCache for the
     `device` install."""
 
-    def __init__(self, store, slots, mode: str | None = None, tier: HostTier | None = None):
+    def __init__(self, store, slots, mode: str | None = None, tier: HostTier | None = None, prefetcher=None):
         if mode is None:
             mode = "kernel" if device.kind() == "gpu" and not device.pinned_unavailable() else "ops"
         if mode not in MODES:
@@ -321,6 +466,7 @@ class DeviceCache:
         if mode == "kernel" and device.pinned_unavailable():
             raise RuntimeError(f"the device install's kernels cannot run here: {device.pinned_unavailable()}")
         self.mode, self.store, self.tensors = mode, store, list(store.tensors)
+        self.prefetcher = prefetcher  # deviceprefetch.DevicePrefetch, or None: demand loading
         t0 = time.perf_counter()
         self.tier = tier or HostTier(store, cuda=mode == "kernel")
         self.num_experts = self.tier.num_experts
@@ -335,12 +481,15 @@ class DeviceCache:
             self.addrs = [mx.array(device_addresses(bufs)) for bufs in self.tables]
             mx.eval(self.addrs)
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
+        self.prefetched = [None] * store.num_layers  # each layer's last prefetch fill (kernel mode's ordering)
+        # Prefetch fills on a stream of their own, so that their PCIe reads overlap compute.
+        self.prefetch_stream = mx.new_stream(mx.gpu) if mode == "kernel" else None
         for layer, s in enumerate(per_layer):
             if s == self.num_experts:  # every expert resident: slot e = expert e, filled once
                 self.fill_all(layer)
         self.load_seconds = time.perf_counter() - t0
         self.stats = DeviceStats(self)
-        self.at_begin = dict.fromkeys(("hits", "misses", "bytes_read"), 0)
+        self.at_begin = dict.fromkeys(STEP_FIGURES, 0)
         self.position, self.rows = 0, 1
 
     def fill_all(self, layer: int):
@@ -355,9 +504,9 @@ class DeviceCache:
         S = self.slots[layer]
         if self.mode == "kernel":
             state, fill = map_step_kernel(self.states[layer], inds, S)
-            remapped = fill_kernel(
-                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, self.after[layer]
-            )
+            after = (self.after[layer], self.prefetched[layer])
+            remapped = fill_kernel(self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, after)
+            self.prefetched[layer] = None
         else:
             state, fill = map_step_ops(self.states[layer], inds, S)
             fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
@@ -365,21 +514,40 @@ class DeviceCache:
         self.states[layer] = state
         return remapped
 
+    def prefetch(self, layer: int, inds: mx.array, protect_recent: bool = False):
+        """Fill `layer`'s slots with the predicted experts `inds` (int32, -1 = dropped), lazily,
+        ahead of its demand step (prefetch_step_ops)."""
+        S = self.slots[layer]
+        if self.mode == "kernel":
+            s2 = self.prefetch_stream
+            state, fill = prefetch_step_kernel(self.states[layer], inds, S, protect_recent, stream=s2)
+            self.prefetched[layer] = fill_kernel(
+                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, (self.after[layer],), s2
+            )
+        else:
+            state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
+            fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
+        self.states[layer] = state
+
     # -- what the decode loop and the engine ask -------------------------------------------------
     def begin_step(self, position: int, rows: int):
         self.position, self.rows = position, rows
         self.at_begin = self.totals()
 
     def totals(self) -> dict:
-        """hits, misses and bytes read over every layer (reads the device counters: a sync)."""
+        """Every counter over every layer, and the bytes read (demand and prefetch), from the
+        device counters (a read back: ask after a token's evaluation, not inside it)."""
         counts = np.array(mx.stack([s.counters for s in self.states])).sum(axis=0)
         out = dict(zip(COUNTERS, (int(c) for c in counts)))
-        out["bytes_read"] = out["misses"] * self.store.expert_bytes
+        out["bytes_read"] = (out["misses"] + out["issued"]) * self.store.expert_bytes
         return out
 
     def counters(self) -> dict:
         t = self.totals()
-        return dict(hits=t["hits"], misses=t["misses"], evictions=None, bytes_read=t["bytes_read"])
+        return dict(
+            hits=t["hits"], misses=t["misses"], evictions=None, bytes_read=t["bytes_read"],
+            issued=t["issued"], useful=t["useful"], wasted=t["wasted"],
+        )  # fmt: skip
 
     def resident(self, layer: int) -> np.ndarray:
         """The experts resident in `layer`'s slots (reads the map back)."""
@@ -406,9 +574,22 @@ class DeviceSwitchGLU(OffloadedSwitch):
         if S == cache.num_experts:
             return self.glu(x, indices)  # slot e holds expert e
         if indices.size <= S:  # a decode step, or any call whose choices fit: nothing leaves the device
-            remapped = cache.step(layer, indices.reshape(-1).astype(mx.int32))
+            inds = indices.reshape(-1).astype(mx.int32)
+            remapped = cache.step(layer, inds)
+            pf = cache.prefetcher if indices.size == k else None  # prefetch while decoding, one row
+            wraps = pf is not None and pf.target(layer)[0] == layer
+            if pf is not None and not wraps:  # line 13: layer l+d's experts, before this layer's compute
+                pred = pf.predict(layer, x.reshape(-1, x.shape[-1])[-1], inds, cache.position)
+                if pred is not None:
+                    cache.prefetch(pf.target(layer)[0], pred)
             y = self.glu(x, remapped.reshape(indices.shape))
             cache.after[layer] = y
+            if wraps:  # onto this very layer (the next token's): once its experts are read, sparing them
+                pred = pf.predict(layer, x.reshape(-1, x.shape[-1])[-1], inds, cache.position)
+                if pred is not None:
+                    cache.prefetch(layer, pred, protect_recent=True)
+            if pf is not None:
+                pf.remember(layer, inds)
             return y
         # A prefill whose rows may route to more experts than slots: planned on the host, once per
         # layer, in the expert batches of moe.prefill_calls, each through the same map and fill.

@@ -12,6 +12,7 @@ from ..predict import predictors
 from . import hosttier
 from . import store as store_mod
 from .devicemap import DeviceCache, DeviceSwitchGLU
+from .deviceprefetch import DevicePrefetch
 from .moe import ExpertCache, SlotSwitchGLU
 from .prefetch import NoPrefetch
 from .slots import SlotTable
@@ -84,7 +85,10 @@ class Engine:
         self.install = self._choose_install(config, prefetcher)
         if self.install == "device":
             try:
-                self.cache = DeviceCache(self.store, slots)
+                device_pf = None
+                if prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
+                    device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, len(blocks), num_experts)
+                self.cache = DeviceCache(self.store, slots, prefetcher=device_pf)
             except BaseException:
                 self.store.close()
                 raise
@@ -112,8 +116,7 @@ class Engine:
 
     def _choose_install(self, config, prefetcher) -> str:
         """The install that runs: `auto` per device (engine.device), and on a CUDA GPU the `device`
-        install only when the host tier fits in host memory and no predictor asks for Algorithm 1's
-        prefetcher; said on stderr when `auto` steps back."""
+        install only when the host tier fits in host memory; said on stderr when `auto` steps back."""
         mode = device.resolve_install(config.install)
         if mode != "device":
             return mode
@@ -121,8 +124,6 @@ class Engine:
         why = None
         if not hosttier.fits(need):
             why = f"its host tier ({need / 1e9:.2f} GB) does not fit in this machine's available memory"
-        elif prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
-            why = "a predictor's prefetches run on Algorithm 1's path"
         if why is None:
             return mode
         if config.install == "device":
