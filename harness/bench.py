@@ -55,7 +55,7 @@ def add_args(p):
         "--installs",
         nargs="*",
         default=None,
-        choices=["auto", "inplace", "copy", "pinned"],
+        choices=["auto", "inplace", "copy", "pinned", "device"],
         help="throughput: install modes to run each --slots at (default: auto)",
     )
     p.add_argument(
@@ -75,8 +75,15 @@ def add_args(p):
     p.add_argument(
         "--install",
         default="auto",
-        choices=["auto", "inplace", "copy", "pinned"],
+        choices=["auto", "inplace", "copy", "pinned", "device"],
         help="prefetch: install mode of every engine",
+    )
+    p.add_argument(
+        "--loop",
+        choices=["engine", "mlx-lm"],
+        default="engine",
+        help="throughput: decode with the engine's loop (one evaluation a token, the time split) or "
+        "mlx-lm's own generate_step (the next token's graph built while this one computes)",
     )
     p.add_argument("--readers", type=positive, nargs="+", default=[1, 4], help="miss: reader-thread counts to measure")
     p.add_argument(
@@ -148,8 +155,15 @@ def throughput(a):
     for m in models.values():  # warm-up: first-call compilation
         decode(m, ids, 4)
     names = list(models)
+    loop = getattr(a, "loop", "engine")
     for i in range(a.repeats):
         for k in names[i % len(names) :] + names[: i % len(names)]:
+            if loop == "mlx-lm":
+                tok_s, prefill_s, grew = pipelined(models[k], ids, a.tokens)
+                runs[k].append(tok_s)
+                prefill[k].append((len(ids) / prefill_s, None))
+                grown[k] = max(grown[k], grew)
+                continue
             recs = decode(models[k], ids, a.tokens)[1]
             runs[k].append(summarize(recs)["tok_s"])
             prefill[k].append((recs[0]["rows"] / recs[0]["seconds"], recs[0].get("bytes_read", 0)))
@@ -178,7 +192,9 @@ def throughput(a):
         # previous decode left resident is read again or not): its speed and bytes read.
         prefill_tok_s={k: _median([p[0] for p in v]) for k, v in prefill.items()},
         prefill_tok_s_spread={k: _spread([p[0] for p in v]) for k, v in prefill.items()},
-        prefill_bytes_read={k: _median([p[1] for p in v]) for k, v in prefill.items()},
+        prefill_bytes_read={k: _median([p[1] for p in v]) for k, v in prefill.items() if v[0][1] is not None},
+        loop=loop,
+        host_tier_bytes={k: e.cache.tier.nbytes for k, e in engines.items() if e.install == "device"},
         resident=resident,
         resident_note=why,
         ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"] if resident else None,
@@ -202,15 +218,27 @@ def throughput(a):
         if k in split and k not in ("mlx-lm", "S=E"):
             print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in split[k].items()))
         pf = out["prefill_tok_s_spread"][k]
-        print(
-            f"      prefill of {len(ids)} tokens: {pf['median']:.1f} tok/s [{pf['min']:.1f}, {pf['max']:.1f}], "
-            f"{out['prefill_bytes_read'][k] / 1e6:.1f} MB read"
-        )
+        read = f", {out['prefill_bytes_read'][k] / 1e6:.1f} MB read" if k in out["prefill_bytes_read"] else ""
+        print(f"      prefill of {len(ids)} tokens: {pf['median']:.1f} tok/s [{pf['min']:.1f}, {pf['max']:.1f}]{read}")
     if resident:
         print(f"  engine at S=E / mlx-lm = {out['ratio_engine_full_vs_mlx_lm']:.4f}")
     else:
         print(f"  no resident decoding: {why}")
     return out
+
+
+def pipelined(model, ids, n: int):
+    """One decode through mlx-lm's own `generate_step` (its async_eval pipelining): tokens/s after
+    the first token, the prefill's seconds (to the first token), and the peak memory it added."""
+    from mlx_lm.generate import generate_step
+
+    mx.reset_peak_memory()
+    start_mem = mx.get_active_memory()
+    t0 = time.perf_counter()
+    times = []
+    for _ in generate_step(mx.array(ids, mx.uint32), model, max_tokens=n + 1):
+        times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0]), times[0] - t0, max(0, mx.get_peak_memory() - start_mem)
 
 
 def prompt_ids(tok, n: int | None, prompt_set: str) -> list:

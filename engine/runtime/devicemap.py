@@ -306,12 +306,13 @@ _KERNELS = {}
 
 
 def _kernel(name, inputs, outputs, source):
-    key = (name, hashlib.sha256(source.encode()).hexdigest()[:16])
-    if key not in _KERNELS:
-        _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"titan_{name}_{key[1]}", input_names=inputs, output_names=outputs, source=source
+    """One compiled kernel per body and signature (MLX compiles it at its first launch)."""
+    digest = hashlib.sha256("\0".join([source, *inputs, "|", *outputs]).encode()).hexdigest()[:16]
+    if (name, digest) not in _KERNELS:
+        _KERNELS[name, digest] = mx.fast.cuda_kernel(
+            name=f"titan_{name}_{digest}", input_names=inputs, output_names=outputs, source=source
         )
-    return _KERNELS[key]
+    return _KERNELS[name, digest]
 
 
 def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) -> tuple:

@@ -90,9 +90,14 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
         t0 = time.perf_counter()
         logits = model(inp, cache=cache)
         y = mx.argmax(logits[:, -1, :], axis=-1)
+        t1 = time.perf_counter()
         mx.eval(y, logits)
-        dt = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        dt = t2 - t0
         rec = dict(step=step, phase="prefill" if step == 0 else "decode", rows=inp.shape[1], seconds=dt)
+        # the model call (building the step's graph, and whatever synchronisation happens inside
+        # it) and the wait for the step's evaluation after it
+        rec.update(graph_s=t1 - t0, eval_s=t2 - t1)
         rec.update(stats.as_dict())
         rec.update(memory.peaks())
         records.append(rec)
@@ -114,7 +119,7 @@ def totals(records) -> dict:
     """The decode steps' records (not the prefill's) added up: tokens, seconds, every counter."""
     dec = [r for r in records if r["phase"] == "decode"]
     out = dict(tokens=len(dec), seconds=sum(r["seconds"] for r in dec))
-    for k in COUNTS + SECONDS + ("bytes_read", "chunks"):
+    for k in COUNTS + SECONDS + ("bytes_read", "chunks", "graph_s", "eval_s"):
         out[k] = sum(r.get(k, 0) for r in dec)
     for k in PEAKS:  # the prefill's too: a peak is of the whole decode
         vals = [r[k] for r in records if r.get(k) is not None]
@@ -162,7 +167,9 @@ def time_split(records) -> dict:
     """Where a decode token's time goes, in ms per token: waiting at the host synchronisations
     (the device's compute up to each MoE layer, and the synchronisation itself), waiting for reads,
     making arrays or enqueueing copy kernels, installs, the predictor's host work (reading the MoE
-    input back, predicting and issuing the reads), and the rest (the host building the graph)."""
+    input back, predicting and issuing the reads), and the rest (the host building the graph);
+    and apart, `graph` (the model call) and `eval` (the evaluation after it), which add up to the
+    total."""
     t = totals(records)
     if not t["tokens"]:
         return {}
@@ -170,6 +177,10 @@ def time_split(records) -> dict:
     total = 1e3 * t["seconds"] / t["tokens"]
     out["other"] = total - sum(out.values())
     out["total"] = total
+    # the same token seen from the host: in the model call (graph building and any sync inside it)
+    # and waiting for the evaluation after it; with no sync inside, the wait is the device's time
+    out["graph"] = 1e3 * t["graph_s"] / t["tokens"]
+    out["eval"] = 1e3 * t["eval_s"] / t["tokens"]
     return out
 
 
