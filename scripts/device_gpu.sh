@@ -9,6 +9,8 @@
 #   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), build (the full-size model and its
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
+#   syncfree (the device install beside the pinned one: throughput at S = 8, 16, 32 through
+#   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
@@ -112,6 +114,13 @@ for step in "$@"; do
     fitted) run $py -m harness bench prefetch --model $full --slots 16 --install pinned \
               --predictors probe transition popularity --depths 1 --min-probs 0 0.25 --prompts 3 --tokens 32 --record ;;
     install) run $py -m harness bench install --record --repeats 3 ;;
+    syncfree)  # the device install (issue 29) beside the pinned path, resident and mlx-lm, one interleaved run each
+          run $py -m harness bench throughput --model $full --tokens 32 --repeats 5 --slots 8 16 32 \
+            --installs device pinned --loop mlx-lm --record
+          run $py -m harness bench throughput --model $full --tokens 32 --repeats 3 --slots 16 \
+            --installs device pinned --record  # the engine's loop: the per-token split (graph, eval)
+          run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
+            --depths 1 2 --prompts 3 --tokens 32 --record ;;
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
               --installs pinned --overlap on --record ;;
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
