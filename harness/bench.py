@@ -26,7 +26,7 @@ from engine.predict import prompts, trace
 from engine.predict.predictors import FITTED
 from engine.runtime import staging
 from engine.runtime.engine import build_cache, open_store
-from engine.runtime.loop import decode, model_bytes, summarize, time_split, totals
+from engine.runtime.loop import call_split, decode, model_bytes, summarize, time_split, totals
 from engine.runtime.moe import records_to_mx
 from engine.runtime.slots import SlotTable
 
@@ -167,7 +167,7 @@ def throughput(a):
             recs = decode(models[k], ids, a.tokens)[1]
             runs[k].append(summarize(recs)["tok_s"])
             prefill[k].append((recs[0]["rows"] / recs[0]["seconds"], recs[0].get("bytes_read", 0)))
-            splits[k].append(time_split(recs))
+            splits[k].append({**time_split(recs), **call_split(recs)})
             grown[k] = max(grown[k], totals(recs)["decode_memory_bytes"] or 0)
     hit_rate = {
         k: e.counters()["hits"] / max(1, e.counters()["hits"] + e.counters()["misses"])

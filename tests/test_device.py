@@ -25,7 +25,8 @@ def test_auto_install_resolves_per_device(monkeypatch):
     assert device.resolve_install("auto", "cpu") == "inplace"
     assert device.resolve_install("copy", "cpu") == "copy"
     monkeypatch.setattr(device, "pinned_unavailable", lambda: None)  # a CUDA GPU
-    assert device.resolve_install("auto", "gpu") == "pinned"
+    assert device.resolve_install("auto", "gpu") == "device"  # the engine steps back to pinned if it must
+    assert device.resolve_install("pinned", "gpu") == "pinned"
     monkeypatch.setattr(device, "pinned_unavailable", lambda: "MLX's GPU here is not CUDA")  # e.g. Apple Silicon
     assert device.resolve_install("auto", "gpu") == "copy"
     assert device.resolve_install("pinned", "gpu") == "copy"
@@ -34,7 +35,7 @@ def test_auto_install_resolves_per_device(monkeypatch):
 def test_engine_default_resolves_auto():
     eng = load("olmoe-tiny", EngineConfig(slots=16))
     try:
-        assert {t.install_mode for t in eng.tables} == {device.default_install()}
+        assert eng.install == device.default_install()
     finally:
         eng.close()
 

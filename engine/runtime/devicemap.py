@@ -436,8 +436,8 @@ def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=(),
 
 # -- the cache --------------------------------------------------------------------------------------
 class DeviceStats(StepStats):
-    """A step's figures for the decode loop: the device counters' change since `begin_step`, read
-    when asked (after the step's evaluation, so the read waits for nothing)."""
+    """A step's figures for the decode loop: the device counters' change since the loop last asked,
+    read once a step, after its evaluation (so the read waits for nothing)."""
 
     def __init__(self, cache=None):
         super().__init__()
@@ -450,7 +450,8 @@ class DeviceStats(StepStats):
         out = super().as_dict()
         if self._cache is not None:
             now = self._cache.totals()
-            out.update({k: now[k] - self._cache.at_begin[k] for k in STEP_FIGURES})
+            out.update({k: now[k] - self._cache.last_seen[k] for k in STEP_FIGURES})
+            self._cache.last_seen = now
         return out
 
 
@@ -490,7 +491,7 @@ class DeviceCache:
                 self.fill_all(layer)
         self.load_seconds = time.perf_counter() - t0
         self.stats = DeviceStats(self)
-        self.at_begin = dict.fromkeys(STEP_FIGURES, 0)
+        self.last_seen = dict.fromkeys(STEP_FIGURES, 0)  # the counters when the decode loop last asked
         self.position, self.rows = 0, 1
 
     def fill_all(self, layer: int):
@@ -512,6 +513,9 @@ class DeviceCache:
             state, fill = map_step_ops(self.states[layer], inds, S)
             fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
             remapped = fill.remapped
+            # Not all of the new map feeds this step's compute: evaluate it with the step (no wait),
+            # or a decode nobody reads counters from would chain every step's map to the next.
+            mx.async_eval(state.arrays())
         self.states[layer] = state
         return remapped
 
@@ -528,12 +532,12 @@ class DeviceCache:
         else:
             state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
             fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
+            mx.async_eval(state.arrays())
         self.states[layer] = state
 
     # -- what the decode loop and the engine ask -------------------------------------------------
     def begin_step(self, position: int, rows: int):
         self.position, self.rows = position, rows
-        self.at_begin = self.totals()
 
     def totals(self) -> dict:
         """Every counter over every layer, and the bytes read (demand and prefetch), from the

@@ -120,6 +120,8 @@ class Engine:
         mode = device.resolve_install(config.install)
         if mode != "device":
             return mode
+        if config.install == "auto" and self.slots == self.num_experts:
+            return device.resolve_install("pinned")  # every expert resident: no miss, no host tier needed
         need = self.store.num_layers * self.num_experts * self.store.record_bytes
         why = None
         if not hosttier.fits(need):
