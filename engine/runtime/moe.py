@@ -88,10 +88,15 @@ class Destination:
     staged: int = -1
 
 
-# `batched`: a layer's misses are read together and installed lazily (Algorithm 1);
-# `per_miss`: the paper's first version, kept for its ablation: one read at a time, and the
-# slot table evaluated after every miss.
+# `batched`: a layer's misses are read together (in the decode thread when they are small, on the
+# reader threads otherwise: ExpertCache.read) and installed lazily (Algorithm 1);
+# `per_miss`: the paper's first version, kept for its ablation: one miss at a time, each read on a
+# reader thread and the slot table evaluated after it, whatever the default path does.
 SYNC_MODES = ("batched", "per_miss")
+# The largest batch of reads worth doing in the decode thread rather than handing to the reader
+# threads: a hand-off costs tens of microseconds, a page-cache read of 1 MB about 0.2 ms on one
+# core; above it the threads read in parallel (bench miss measures both: inline_vs_threads_ms).
+INLINE_BYTES = 1 << 20
 
 
 class ExpertCache:
@@ -282,18 +287,17 @@ class ExpertCache:
         t1 = time.perf_counter()
         try:
             if table.install_mode == "inplace":
-                if len(misses) == 1:  # a lone miss (the common case at decode): no thread hand-off
-                    seconds = [store.read_into(layer, misses[0], table.dests(slots[0]))]
-                else:
-                    futures = store.submit_many(layer, [(e, table.dests(s)) for e, s in zip(misses, slots)])
-                    seconds = [f.result() for f in futures]
+                seconds = self.read(layer, [(e, table.dests(s)) for e, s in zip(misses, slots)], inline=not evaluate)
                 t2 = t3 = time.perf_counter()
             elif table.install_mode == "pinned":
-                seconds, wait_s, copy_s = self.read_staged(layer, misses, slots)
+                seconds, wait_s, copy_s = self.read_staged(layer, misses, slots, inline=not evaluate)
                 t2 = t1 + wait_s
                 t3 = t2 + copy_s
             else:
-                block, seconds = store.read_block(layer, misses)
+                block = store.empty_block(len(misses))
+                seconds = self.read(
+                    layer, [(e, [row[: store.expert_bytes]]) for e, row in zip(misses, block)], not evaluate
+                )
                 t2 = time.perf_counter()
                 arrays = records_to_mx(block, table.tensors, self.one_array)
                 t3 = time.perf_counter()
@@ -316,7 +320,25 @@ class ExpertCache:
         st.array_s += t3 - t2
         st.install_s += (t1 - t0) + (t4 - t3)
 
-    def read_staged(self, layer: int, experts, slots):
+    def read(self, layer: int, reads, inline: bool = True) -> list:
+        """Read `reads` = [(expert, destinations)] of one layer; returns each read's seconds. A batch
+        of at most INLINE_BYTES is read in the decode thread, one `preadv` after another: for small
+        experts handing reads to the reader threads costs more than the reads (issue 32: at 30 kB
+        an expert, the batched path lost to the per-miss ablation by x0.9); larger batches go to
+        the reader threads, which read them at once. Without `inline` every read goes to a reader
+        thread (the paper's first version, which the per-miss ablation keeps)."""
+        store = self.store
+        if inline and len(reads) * store.expert_bytes <= INLINE_BYTES:
+            return [store.read_into(layer, e, dests) for e, dests in reads]
+        futures = store.submit_many(layer, reads)
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel() or f.exception()
+            raise
+
+    def read_staged(self, layer: int, experts, slots, inline: bool = True):
         """Pinned mode: read `experts` into staging records on the reader threads and install them
         into `slots`, one copy kernel and one scatter per tensor for each batch of up to
         `staging.BATCH` (all lazily: nothing here waits for the device). Returns the read
@@ -328,18 +350,9 @@ class ExpertCache:
             t0 = time.perf_counter()
             recs = pool.acquire(len(exps))
             try:
-                if len(exps) == 1:  # a lone miss (the common case at decode): no thread hand-off
-                    seconds.append(store.read_into(layer, exps[0], [pool.view(recs[0])[: store.expert_bytes]]))
-                else:
-                    futures = store.submit_many(
-                        layer, [(e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)]
-                    )
-                    try:
-                        seconds += [f.result() for f in futures]
-                    except BaseException:
-                        for f in futures:
-                            f.cancel() or f.exception()
-                        raise
+                seconds += self.read(
+                    layer, [(e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)], inline
+                )
             except BaseException:
                 pool.discard(recs)
                 raise

@@ -408,11 +408,15 @@ class Store:
             except BaseException as e:
                 fut.set_exception(e)
 
+    def empty_block(self, n: int) -> np.ndarray:
+        """`n` record rows on page boundaries, for a batch of reads (copy mode)."""
+        return aligned_empty(n * self.record_bytes).reshape(n, self.record_bytes)
+
     def read_block(self, layer: int, experts):
         """Read several experts of a layer into the rows of one block (each row on a page
         boundary); returns (block of shape (n, row bytes >= expert_bytes), [pread seconds])."""
         experts = list(experts)
-        block = aligned_empty(len(experts) * self.record_bytes).reshape(len(experts), self.record_bytes)
+        block = self.empty_block(len(experts))
         futures = self.submit_many(layer, [(e, [block[i, : self.expert_bytes]]) for i, e in enumerate(experts)])
         return block, [f.result() for f in futures]
 
