@@ -143,3 +143,37 @@ def test_the_readme_carries_the_generated_gpu_sentence():
     df = pd.read_csv(table, dtype={"engine_tree": str, "commit": str, "failures": str}).fillna("")
     text = (ROOT / "README.md").read_text()
     assert docblocks.fill(text, "gpu-exactness", docblocks.gpu_exactness(df)) == text
+
+
+def test_the_run_agreement_sentence_names_a_reversal_and_only_it(tmp_path):
+    """docs/workflow.md's generated sentence compares the two latest full runs on one machine: a
+    copy of a committed run (a day later) with one stall made ten times worse reports that claim
+    going from yes to no, and no other."""
+    first, copy = "c8af1fee9518-host-443118812e", "bbbbbbbbbbbb-host-443118812e"
+    raw = tmp_path / "raw"
+    for f in (ROOT / "results" / "raw").rglob("*.jsonl"):
+        if f.name.startswith("e40ef486cf60-"):  # the other committed full run: leave two
+            continue
+        dst = raw / f.relative_to(ROOT / "results" / "raw")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(f)
+        if f.name.startswith(first):
+            lines = []
+            for line in f.read_text().splitlines():
+                rec = json.loads(line)
+                rec["run_id"] = rec["run_id"].replace(first, copy)
+                for k in ("started_utc", "finished_utc"):
+                    rec[k] = rec[k].replace("2026-11-", "2026-12-")
+                res = rec["result"]
+                if "tiny-f32-code" in f.name and res.get("sync") == "batched" and res.get("install") == "copy":
+                    for k in ("stall_ms_per_token", "stall_ms_per_token_min", "stall_ms_per_token_max"):
+                        res[k] *= 10
+                lines.append(json.dumps(rec))
+            (dst.parent / f.name.replace(first, copy)).write_text("\n".join(lines) + "\n")
+    text = docblocks.run_agreement(raw)
+    assert f"`{first}` and `{copy}`" in text
+    assert text.endswith(
+        "1 went from yes to no or back: stall halved by batching (code; olmoe-tiny-f32, copy; batched / per-miss) "
+        "(yes -> no)."
+    )
+    assert docblocks.run_agreement(tmp_path / "nothing") == "No two full runs of `all` on one machine are recorded yet."

@@ -42,6 +42,16 @@ def claims_as_of(raw: Path, records: dict, run: str, other: str, work: Path) -> 
     return aggregate.build(root, work / "figures")["claims"]
 
 
+def run_ends(raw: Path, runs: list) -> dict:
+    """{run: when its last record finished} from the raw files under `raw`."""
+    ends = dict.fromkeys(runs, "")
+    for f in sorted(raw.rglob("*.jsonl")):
+        for run in runs:
+            if of_run(f.name, run):
+                ends[run] = max([ends[run]] + [r["finished_utc"] for r in rawlog.read([f])])
+    return ends
+
+
 def machines_of(raw: Path, records: dict, run: str) -> set:
     recs = [r for f, rs in records.items() if of_run(f.name, run) for r in rs]
     if not recs:

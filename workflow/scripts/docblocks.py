@@ -13,9 +13,16 @@ difference, so a block can never fall behind its records.
 """
 
 import re
+import sys
 from pathlib import Path
 
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_runs  # noqa: E402
+
+# The run ids `snakemake all` gives itself (`auto`: commit, then host alias): a full run's
+FULL_RUN = re.compile(r"^([0-9a-f]{12})(-dirty)?-(host-[0-9a-f]{10})-")
 
 
 class BlockError(ValueError):
@@ -67,8 +74,57 @@ def gpu_exactness(suite: pd.DataFrame) -> str:
     return text
 
 
-def build(tables: dict, root=".") -> list:
-    """Fill every page's blocks from the published tables; returns the pages that changed."""
+def full_runs(raw) -> dict:
+    """{run id: (host alias, commit)} of every full run of `all` whose raw files are under `raw`."""
+    runs = {}
+    for f in Path(raw).rglob("*.jsonl"):
+        m = FULL_RUN.match(f.name)
+        if m:
+            runs[f"{m.group(1)}{m.group(2) or ''}-{m.group(3)}"] = (m.group(3), m.group(1))
+    return runs
+
+
+def run_agreement(raw) -> str:
+    """docs/workflow.md's sentence on whether two runs reach the same verdicts: the two latest
+    full runs on one machine, compared by compare_runs.py."""
+    runs = full_runs(raw)
+    ends = compare_runs.run_ends(Path(raw), list(runs))
+    by_host = {}
+    for run in sorted(runs, key=lambda r: ends[r]):
+        by_host.setdefault(runs[run][0], []).append(run)
+    pairs = [v[-2:] for v in by_host.values() if len(v) >= 2]
+    if not pairs:
+        return "No two full runs of `all` on one machine are recorded yet."
+    a, b = max(pairs, key=lambda p: ends[p[1]])  # the machine whose latest full run ended last
+    df = compare_runs.compare(Path(raw), a, b)
+    n = len(df)
+    same = {c: int((df[f"{c}_a"] == df[f"{c}_b"]).sum()) for c in compare_runs.VERDICTS}
+    decided = {x: int(df[f"direction_{x}"].isin(["yes", "no"]).sum()) for x in ("a", "b")}
+    flips = df[
+        df["direction_a"].isin(["yes", "no"])
+        & df["direction_b"].isin(["yes", "no"])
+        & (df["direction_a"] != df["direction_b"])
+    ]
+    text = (
+        f"The two latest full runs on one machine, `{a}` and `{b}` (`python workflow/scripts/compare_runs.py "
+        f"{a} {b}`): of {n} claims both measured, `direction` came out the same in {same['direction']} (decided in "
+        f"{decided['a']} and {decided['b']} of them) and `within_tolerance` in {same['within_tolerance']}; "
+    )
+    if len(flips):
+        text += f"{len(flips)} went from yes to no or back: " + "; ".join(
+            f"{r.claim} ({r.direction_a} -> {r.direction_b})" for r in flips.itertuples()
+        )
+        text += "."
+    else:
+        text += "none went from yes to no or back: every change was between a decision and `unresolved`."
+    return text
+
+
+def build(tables: dict, root=".", raw=None) -> list:
+    """Fill every page's blocks from the published tables (and, for the run agreement, the raw
+    logs under `raw`); returns the pages that changed."""
     blocks = {"gpu-exactness": gpu_exactness(tables["suite"])}
+    if raw is not None:
+        blocks["run-agreement"] = run_agreement(raw)
     pages = [Path(root) / "README.md", *sorted((Path(root) / "docs").glob("*.md"))]
     return [p for p in pages if p.exists() and update(p, blocks)]

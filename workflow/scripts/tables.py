@@ -10,5 +10,5 @@ from _common import logged  # noqa: E402
 with logged(snakemake):
     tables = aggregate.build(snakemake.params.raw, snakemake.wildcards.figdir)
     if snakemake.wildcards.figdir == "figures":  # the published tables: their sentences in the pages
-        for page in docblocks.build(tables):
+        for page in docblocks.build(tables, raw=snakemake.params.raw):
             print(f"rewrote the generated blocks of {page}")
