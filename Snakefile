@@ -15,6 +15,7 @@ include: "workflow/rules/prefetch_online.smk"
 include: "workflow/rules/placement.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/figures.smk"
+include: "workflow/rules/claims.smk"
 
 
 rule all:

@@ -503,6 +503,49 @@ def test_two_runs_verdicts_are_compared_each_from_its_own_records(tmp_path):
     assert changed["direction_a"].iloc[0] == "yes" and changed["direction_b"].iloc[0] == "no"
 
 
+def test_the_claims_check_reports_a_changed_verdict_and_only_it(tmp_path):
+    """claims_check: a check run that is the last full run's sync ablation again, with one stall made
+    ten times worse, reports exactly the claim that stall decides (yes -> no, a reversal), with
+    the full run it was compared with."""
+    import claims_check
+
+    first = "c8af1fee9518-host-443118812e"
+    raw, check = tmp_path / "raw", tmp_path / "check"
+    for f in (ROOT / "results" / "raw").rglob("*.jsonl"):
+        if f.name.startswith("e40ef486cf60-"):  # the later full run: c8af1fe is then the last
+            continue
+        dst = raw / f.relative_to(ROOT / "results" / "raw")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(f)
+        if compare_runs_of(f.name, first) and "/sync_ablation/" in str(f):
+            lines = []
+            for line in f.read_text().splitlines():
+                rec = json.loads(line)
+                res = rec["result"]
+                if "tiny-f32-code" in f.name and res.get("sync") == "batched" and res.get("install") == "copy":
+                    for k in ("stall_ms_per_token", "stall_ms_per_token_min", "stall_ms_per_token_max"):
+                        res[k] *= 10
+                lines.append(json.dumps(rec))
+            out = check / "C" / "sync_ablation" / f.name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("\n".join(lines) + "\n")
+    full, df = claims_check.check(raw, check, "host-443118812e")
+    assert full == first and len(df) >= 8
+    changed = df[df["changed"]]
+    assert list(changed["claim"]) == ["stall halved by batching (code; olmoe-tiny-f32, copy; batched / per-miss)"]
+    assert changed["reversed"].all()
+    text = claims_check.report(full, df, ["abc1234 a change"], check)
+    assert "1 verdicts changed, 1 of them from yes to no or back" in text and "REVERSED stall halved" in text
+    assert text.rstrip().endswith("abc1234 a change")
+    assert claims_check.check(raw, check, "host-0000000000")[0] is None  # no full run on that machine
+
+
+def compare_runs_of(name, run):
+    import compare_runs
+
+    return compare_runs.of_run(name, run)
+
+
 def test_a_model_that_does_not_fit_is_measured_at_its_slots_only(capsys):
     """bench throughput on a model larger than memory (the f32 full-size shape on a 24 GiB
     machine) decodes at --slots and never resident; `auto` decides from weights and memory."""

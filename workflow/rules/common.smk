@@ -51,7 +51,7 @@ FITTED = ["popularity", "transition", "probe"]
 
 
 wildcard_constraints:
-    out="results|results/smoke",
+    out="results|results/smoke|results/claims_check",
     figdir="figures|results/smoke/figures|results/runs/[A-Za-z0-9][A-Za-z0-9._-]*/figures",
     tier="page_cache|cold",
     pset="general|code",
@@ -59,8 +59,16 @@ wildcard_constraints:
     model="[a-z0-9][a-z0-9._-]*",
 
 
+CHECK = "results/claims_check"  # the claims check's output tree (rule claims_check)
+
+
 def settings(out):
-    """The configuration an output tree is made with."""
+    """The configuration an output tree is made with (the claims check's: the default's, with its
+    own, smaller ablation)."""
+    if out == CHECK:
+        if "claims_check" not in config:
+            raise WorkflowError(f"profile {config['profile']}: no `claims_check` section in the configuration")
+        return {**config, "ablations": {**config["ablations"], "sync": config["claims_check"]["sync"]}}
     return config if out == "results" else SMOKE
 
 
