@@ -19,7 +19,9 @@ b=$(git -C "$root" rev-parse --verify "$2^{commit}")
 repeats=$3
 shift 4
 case "$repeats" in '' | *[!0-9]* | 0) echo "REPEATS must be a positive integer, not '$repeats'" >&2; exit 2 ;; esac
-[ "$1" = python ] && set -- "$root/.venv/bin/python" "${@:2}"
+# `python` is this environment's Python: $PYTHON, else the first python3 on the PATH (never a fixed .venv)
+py=${PYTHON:-$(command -v python3 || command -v python)}
+[ "$1" = python ] && set -- "$py" "${@:2}"
 export TITAN_RESOURCES=${TITAN_RESOURCES:-$root/resources}
 work=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$work/a" 2>/dev/null; git -C "$root" worktree remove --force "$work/b" 2>/dev/null; rm -rf "$work"' EXIT
@@ -42,8 +44,6 @@ for i in $(seq 1 "$repeats"); do
 done
 # Prefetch benches: their figures side by side, per commit, from the records just copied.
 if grep -q '^\./bench/prefetch/' "$work/copied" 2>/dev/null; then
-  py=$root/.venv/bin/python
-  [ -x "$py" ] || py=python3
   echo "== side by side (scripts/ab_summary.py)"
   grep '^\./bench/prefetch/' "$work/copied" | sort -u | sed "s|^\./|$root/results/raw/|" | xargs "$py" "$root/scripts/ab_summary.py"
 fi

@@ -135,7 +135,11 @@ def test_two_commits_run_side_by_side_alternating_and_keep_their_records(tmp_pat
     )
     script = ROOT / "scripts" / "ab_commits.sh"
     out = subprocess.run(
-        [script, "HEAD", "HEAD", "2", "--", "python", "-c", code], capture_output=True, text=True, cwd=tmp_path
+        [script, "HEAD", "HEAD", "2", "--", "python", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHON": sys.executable},  # this environment's, whatever its folder is called
     )
     kept = ROOT / "results" / "raw" / tag
     try:
