@@ -353,3 +353,18 @@ def test_stream_generate_through_the_device_install_gives_mlx_lms_tokens():
         finally:
             eng.close()
         assert got == want, slots
+
+
+def test_engines_of_one_store_share_its_host_tier():
+    """A bench loads several engines of one model: the host tier is filled (and on CUDA pinned) once,
+    and freed when the last of them closes."""
+    a = load("olmoe-tiny", EngineConfig(slots=16, install="device"))
+    b = load("olmoe-tiny", EngineConfig(slots=8, install="device"))
+    try:
+        assert a.cache.tier is b.cache.tier
+        assert len(hosttier._SHARED) == 1
+    finally:
+        a.close()
+        assert len(hosttier._SHARED) == 1  # b still reads it
+        b.close()
+    assert not hosttier._SHARED

@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import device
+from . import hosttier
 from .hosttier import HostTier
 from .moe import OffloadedSwitch, StepStats, prefill_calls
 from .slots import mx_dtype
@@ -470,7 +471,7 @@ class DeviceCache:
         self.mode, self.store, self.tensors = mode, store, list(store.tensors)
         self.prefetcher = prefetcher  # deviceprefetch.DevicePrefetch, or None: demand loading
         t0 = time.perf_counter()
-        self.tier = tier or HostTier(store, cuda=mode == "kernel")
+        self.tier = tier or hosttier.acquire(store, cuda=mode == "kernel")
         self.num_experts = self.tier.num_experts
         per_layer = [slots] * store.num_layers if isinstance(slots, int) else list(slots)
         self.slots = per_layer
@@ -559,7 +560,7 @@ class DeviceCache:
         return np.array(self.states[layer].expert_in)
 
     def close(self):
-        self.tier.close()
+        hosttier.release(self.tier)
 
 
 class DeviceSwitchGLU(OffloadedSwitch):

@@ -113,3 +113,27 @@ class HostTier:
         if self.device_ptr is not None:
             cudart.runtime().host_unregister(self.rows.ctypes.data)
             self.device_ptr = None
+
+
+_SHARED = {}  # (store folder, cuda) -> [HostTier, users]
+
+
+def acquire(store, cuda: bool) -> HostTier:
+    """The host tier of `store`'s folder, shared by every engine of this process that decodes the
+    same store (a bench loads several): filled and registered once, freed with its last user."""
+    key = (str(store.path.resolve()), cuda)
+    if key not in _SHARED:
+        _SHARED[key] = [HostTier(store, cuda), 0]
+    _SHARED[key][1] += 1
+    return _SHARED[key][0]
+
+
+def release(tier: HostTier):
+    for key, entry in list(_SHARED.items()):
+        if entry[0] is tier:
+            entry[1] -= 1
+            if entry[1] == 0:
+                tier.close()
+                del _SHARED[key]
+            return
+    tier.close()  # not a shared one
