@@ -72,18 +72,32 @@ def committed_tree(root=provenance.REPO_ROOT) -> str | None:
     return r.stdout.strip() or None
 
 
-def shards(nodeids: list, n: int) -> list:
-    """Test ids in `n` groups of about equal count: whole files (TOGETHER ones in one group), but
-    SPLIT files' tests one by one."""
+def shards(nodeids: list, n: int, seconds: dict | None = None) -> list:
+    """Test ids in `n` groups of about equal cost: whole files (TOGETHER ones in one group), but
+    SPLIT files' tests one by one; a test's cost is its seconds in `seconds` (a former run's), else
+    the median of those, else 1."""
     units = {}
     for t in nodeids:
         f = t.split("::", 1)[0]
         key = "together" if f in TOGETHER else (t if f in SPLIT else f)
         units.setdefault(key, []).append(t)
+    seconds = seconds or {}
+    typical = sorted(seconds.values())[len(seconds) // 2] if seconds else 1.0
+
+    def cost(tests):
+        return sum(seconds.get(t, typical) for t in tests)
+
     groups = [[] for _ in range(max(1, n))]
-    for unit in sorted(units.values(), key=len, reverse=True):  # the largest first, to the emptiest
-        min(groups, key=len).extend(unit)
+    for unit in sorted(units.values(), key=cost, reverse=True):  # the costliest first, to the cheapest
+        min(groups, key=cost).extend(unit)
     return [g for g in groups if g]
+
+
+def former_seconds(device: str, raw=None) -> dict:
+    """Each test's seconds in the latest recorded run of the suite on `device`."""
+    folder = Path(raw or rawlog.RAW) / GATE / EXPERIMENT
+    recs = [r for r in (rawlog.read([folder]) if folder.exists() else []) if r["device"] == device]
+    return max(recs, key=lambda r: r["finished_utc"])["result"].get("durations", {}) if recs else {}
 
 
 def collect(args: list) -> list:
@@ -100,11 +114,12 @@ def collect(args: list) -> list:
 
 def parse_junit(paths) -> dict:
     """Counts and names from pytest's JUnit XML files."""
-    out = dict(passed=0, failed=0, errors=0, skipped=0, xfailed=0, tests=0, failures=[], skips=[])
+    out = dict(passed=0, failed=0, errors=0, skipped=0, xfailed=0, tests=0, failures=[], skips=[], durations={})
     for p in paths:
         for case in ET.parse(p).getroot().iter("testcase"):
             name = f"{case.get('file') or case.get('classname', '').replace('.', '/') + '.py'}::{case.get('name')}"
             out["tests"] += 1
+            out["durations"][name] = round(float(case.get("time") or 0.0), 2)
             failure, error, skipped = case.find("failure"), case.find("error"), case.find("skipped")
             if failure is not None:
                 out["failed"] += 1
@@ -129,7 +144,8 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
     started = provenance.utc_now()
     t0 = time.time()
     work = Path(tempfile.mkdtemp(prefix="titan-suite-"))
-    groups = shards(collect(pytest_args), n_shards) if n_shards > 1 else [None]
+    device = "gpu" if provenance.device()["device"] == "gpu" else "cpu"
+    groups = shards(collect(pytest_args), n_shards, former_seconds(device)) if n_shards > 1 else [None]
     procs = []
     for i, group in enumerate(groups):
         env = dict(os.environ)

@@ -55,6 +55,11 @@ def test_shards_keep_files_whole_but_the_independent_ones():
     together = {i for i, g in enumerate(groups) for t in g if t.split("::")[0] in suite.TOGETHER}
     assert len(together) == 1  # Snakemake locks the checkout: one process for the workflow's tests
     assert len(home["tests/test_architectures.py"]) > 1
+    # with a former run's seconds, a slow file gets a shard to itself and the rest share the others
+    slow = {t: (300.0 if t.startswith("tests/test_use.py") else 1.0) for t in ids}
+    weighted = suite.shards(ids, 3, slow)
+    assert sorted(t for g in weighted for t in g) == sorted(ids)
+    assert any(g == [t for t in ids if t.startswith("tests/test_use.py")] for g in weighted)
 
 
 def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
@@ -91,6 +96,8 @@ def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
     assert "one is not two" in r["failures"][0]["message"]
     assert r["skips"] == [dict(test="tests/test_b.py::test_gpu", reason="needs a GPU")]
     assert r["engine_tree"] == suite.tree_hash(ROOT / "engine") and r["shards"] == 2
+    assert set(r["durations"]) == {"tests/test_a.py::test_ok", "tests/test_a.py::test_bad", "tests/test_b.py::test_gpu",
+                                   "tests/test_b.py::test_known"}  # fmt: skip
 
 
 def _record(raw, tree, device="gpu", failed=0):
