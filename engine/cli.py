@@ -221,6 +221,8 @@ def cmd_store(a):
                 os.utime(store_dir(a.model) / "index.json")
         print(store_dir(a.model))
     else:
+        n = registry.verify(a.model)  # the model's own files first: the store is built from them
+        print(f"{path}: {n} model files verified")
         with open_store(a.model, model, path, build=False) as s:
             s.verify_all()
             print(f"{s.path}: {sum(l['experts'] for l in s.layers)} experts in {s.num_layers} layers verified")

@@ -2,11 +2,13 @@
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import yaml
+from conftest import ROOT
 from mlx_lm.models import olmoe, qwen3_moe
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
@@ -197,3 +199,79 @@ def test_processes_that_start_at_once_build_a_model_and_its_store_once(tmp_path)
     text = "".join(errs)
     assert text.count("building embedded model qwen3moe-tiny") == 1, text
     assert text.count("building the expert store of qwen3moe-tiny") == 1, text
+
+
+@pytest.fixture
+def built_copy(tmp_path, monkeypatch):
+    """olmoe-tiny as built, copied into resources of its own (its files may then be damaged)."""
+    src = registry.model_dir("olmoe-tiny")
+    res = tmp_path / "res"
+    shutil.copytree(src, res / "models" / "olmoe-tiny", copy_function=shutil.copy2)
+    monkeypatch.setenv("TITAN_RESOURCES", str(res))
+    return res / "models" / "olmoe-tiny"
+
+
+def test_a_damaged_model_file_is_named_at_load(built_copy, monkeypatch):
+    """One flipped byte in model.safetensors (the 1 MiB of lm_head-side tensors at its end), a
+    truncated file, a missing one: each is refused by name at load, before mlx-lm reads it."""
+    weights = built_copy / "model.safetensors"
+    good = weights.read_bytes()
+    registry.load("olmoe-tiny", lazy=True)  # intact: loads
+    data = bytearray(good)
+    data[-100] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(RegistryError, match=rf"{weights}: damaged: its sha256 is .* rebuild it with"):
+        registry.load("olmoe-tiny", lazy=True)
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(RegistryError, match=rf"{weights}: damaged: .*\({len(good) // 2} bytes now\)"):
+        registry.load("olmoe-tiny", lazy=True)
+    weights.unlink()
+    with pytest.raises(RegistryError, match=rf"{weights}: missing \(the build wrote it\)"):
+        registry.load("olmoe-tiny", lazy=True)
+
+
+def test_an_unchanged_model_file_is_not_hashed_again(built_copy, monkeypatch):
+    """Checked once per file change (size and modification time): a second load hashes nothing;
+    `store verify` (registry.verify) hashes every file whatever."""
+    registry.load("olmoe-tiny", lazy=True)
+    hashed = []
+    real = embedded.sha256_file
+    monkeypatch.setattr(embedded, "sha256_file", lambda p: hashed.append(p) or real(p))
+    registry.load("olmoe-tiny", lazy=True)
+    assert hashed == []
+    n = registry.verify("olmoe-tiny")
+    assert n >= 3 and len(hashed) >= 2
+
+
+def test_store_verify_names_a_damaged_model_file(built_copy):
+    weights = built_copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x80
+    weights.write_bytes(bytes(data))
+    r = subprocess.run(
+        [sys.executable, "-m", "engine", "store", "verify", "olmoe-tiny"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode == 2 and f"{weights}: damaged" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_pinned_models_files_are_checked_against_their_blob_names(models_file, hf_cache):
+    """The Hugging Face cache names a large file's blob by its sha256 and a small one's by its git
+    blob id: a file that no longer matches its name is refused by name."""
+    repo = registry.get_spec(REAL)["repo"]
+    root = hf_cache / ("models--" + repo.replace("/", "--"))
+    snap = root / "snapshots" / HASH
+    (root / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    files = {"config.json": b"{}", "model.safetensors": b"weights" * 1000}
+    for name, data in files.items():
+        digest = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else embedded.git_blob_sha1_of(data)
+        (root / "blobs" / digest).write_bytes(data)
+        (snap / name).symlink_to(f"../../blobs/{digest}")
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(HASH)
+    edit(models_file, lambda m: m[REAL].update(revision=HASH))
+    assert registry.model_dir(REAL) == snap
+    blob = (snap / "model.safetensors").resolve()
+    blob.write_bytes(b"weightz" * 1000)
+    with pytest.raises(RegistryError, match=r"model\.safetensors: damaged: its sha256 is .* fetch it again"):
+        registry.model_dir(REAL)

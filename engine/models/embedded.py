@@ -283,10 +283,30 @@ def build(spec, out: Path):
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)
+        record_verified(out, manifest["files"])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def record_verified(folder, files: dict):
+    """What a build has just hashed, as found good (verify_files' record)."""
+    folder = Path(folder)
+    seen = {}
+    for name, sha in files.items():
+        st = (folder / name).stat()
+        seen[name] = [st.st_size, st.st_mtime_ns, sha]
+    verified_record(folder).write_text(json.dumps(seen, indent=1, sort_keys=True))
+
+
+def git_blob_sha1(path) -> str:
+    """git's id of a file's content (how the Hugging Face cache names the blobs of small files)."""
+    return git_blob_sha1_of(Path(path).read_bytes())
+
+
+def git_blob_sha1_of(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def sha256_file(path) -> str:
@@ -324,7 +344,8 @@ def _build_missing(spec, out: Path, allow_build: bool):
 
 def _check_digest(spec, out: Path, manifest: Path):
     try:
-        digest = json.loads(manifest.read_text())["spec_digest"]
+        m = json.loads(manifest.read_text())
+        digest, files = m["spec_digest"], m["files"]
     except (ValueError, KeyError) as e:
         raise BuildError(f"{manifest}: malformed build manifest ({e})") from None
     if digest != spec_digest(spec):
@@ -332,4 +353,53 @@ def _check_digest(spec, out: Path, manifest: Path):
             f"{out} was built from another spec of '{spec['id']}' than the registry now gives; "
             f"rebuild it with `python -m engine build {spec['id']} --force`"
         )
+    how = f"rebuild it with `python -m engine build {spec['id']} --force`"
+    if "training" in spec:
+        how = f"train it again with `python -m engine train {spec['id'].removesuffix('-f32')}`"
+    verify_files(out, files, how)
     return out
+
+
+def verified_record(folder) -> Path:
+    """Where verify_files keeps, per file, the size, mtime and digest it last found good: beside
+    the folder, not in it (a build's folder stays byte-identical)."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}.verified.json"
+
+
+def verify_files(folder, want: dict, how: str, force: bool = False, cache=None):
+    """Check every file of `want` ({name: sha256, or a 40-hex git blob id as the Hugging Face cache
+    names small files}) in `folder`: present, and its digest the expected one. Cheap on every
+    load: a file whose size and modification time are those it had when last found good is not
+    hashed again (`force`: hash every file). `cache`: where that record lives (default: beside
+    the files). Raises BuildError naming the damaged file."""
+    folder = Path(folder)
+    cache = Path(cache) if cache else verified_record(folder)
+    try:
+        seen = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        seen = {}
+    changed = False
+    for name, sha in sorted(want.items()):
+        path = folder / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise BuildError(f"{path}: missing (the build wrote it): {how}") from None
+        key = [st.st_size, st.st_mtime_ns, sha]
+        if not force and seen.get(name) == key:
+            continue
+        got = sha256_file(path) if len(sha) == 64 else git_blob_sha1(path)
+        if got != sha:
+            kind = "sha256" if len(sha) == 64 else "git blob id"
+            raise BuildError(
+                f"{path}: damaged: its {kind} is {got[:16]}..., expected {sha[:16]}... ({st.st_size} bytes now): {how}"
+            )
+        seen[name], changed = key, True
+    if changed:
+        try:
+            tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(seen, indent=1, sort_keys=True))
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a read-only folder: hashed again next time, still checked

@@ -9,6 +9,7 @@ local directory or the local Hugging Face cache; nothing is ever downloaded. Emb
 built on demand, deterministically, into the resources folder (`engine.config`).
 """
 
+import json
 import os
 import re
 from pathlib import Path
@@ -148,7 +149,51 @@ def real_model_dir(spec) -> Path:
         )
     if not list(snap.glob("model*.safetensors")):
         raise RegistryError(f"model '{spec['id']}': {snap} holds no model*.safetensors weights. " + _how_to_get(spec))
+    verify_real(spec, snap)
     return snap
+
+
+def cache_blobs(snap: Path) -> dict:
+    """{file: its blob's name} of a Hugging Face cache snapshot: the sha256 of a large (LFS) file,
+    git's blob id of a small one; what the download was checked against."""
+    out = {}
+    for p in sorted(snap.rglob("*")):
+        if p.is_symlink():
+            name = Path(os.readlink(p)).name
+            if re.fullmatch(r"[0-9a-f]{64}|[0-9a-f]{40}", name):
+                out[str(p.relative_to(snap))] = name
+    return out
+
+
+def verify_real(spec, snap: Path, force: bool = False):
+    """A pinned model's files against their blob names (sha256 or git blob id), once per change."""
+    want = cache_blobs(snap)
+    if not want:
+        return
+    cache = resources_dir() / "verified" / f"{spec['id']}-{spec['revision'][:12]}.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    how = f"fetch it again (`hf download {spec['repo']} --revision {spec['revision']}`)"
+    try:
+        embedded.verify_files(snap, want, how, force=force, cache=cache)
+    except embedded.BuildError as e:
+        raise RegistryError(str(e)) from None
+
+
+def verify(model_id: str) -> int:
+    """Hash every file of a model (built, trained or pinned) against what its build or download
+    recorded, whatever was checked before; returns how many files. Raises naming a damaged one."""
+    spec = get_spec(model_id)
+    if spec["kind"] == "real":
+        snap = real_model_dir(spec)
+        verify_real(spec, snap, force=True)
+        return len(cache_blobs(snap))
+    out = model_dir(model_id, build=False)
+    files = json.loads((out / embedded.MANIFEST).read_text())["files"]
+    try:
+        embedded.verify_files(out, files, f"rebuild it with `python -m engine build {model_id} --force`", force=True)
+    except embedded.BuildError as e:
+        raise RegistryError(str(e)) from None
+    return len(files)
 
 
 def model_dir(model_id: str, build: bool = True) -> Path:
