@@ -33,7 +33,6 @@ the indices back once per layer (a prefill is one call per prompt) and computes 
 batches of `moe.prefill_calls`, each through the same map step and fill.
 """
 
-import hashlib
 import time
 from dataclasses import dataclass
 
@@ -45,8 +44,7 @@ from . import hosttier
 from .hosttier import HostTier
 from .moe import OffloadedSwitch, StepStats, prefill_calls
 from .slots import mx_dtype
-from .staging import _CTYPES as CTYPES
-from .staging import grain
+from .staging import GRID_STRIDE, cuda_kernel, record_loops
 from .store import set_param
 
 # Per layer, on the device: distinct experts found resident / filled on demand; prefetched experts
@@ -97,9 +95,11 @@ class Fill:
 
 
 # -- the map step as MLX operations -----------------------------------------------------------------
-def map_step_ops(state: MapState, inds: mx.array, slots: int) -> tuple:
-    """One step of a layer's slot map (module docstring) as MLX operations. `inds` (N,) int32 are
-    the router's experts, -1 for a pair this step ignores. Returns (new MapState, Fill)."""
+def _take(state: MapState, inds: mx.array, slots: int, demand: bool, protect_recent: bool = False):
+    """What a demand and a prefetch step share: the distinct experts of `inds` (-1: ignored), those
+    resident (their slots are used, and touched), the others given, in first-seen order, the least
+    recently used slots no entry uses (a demand step takes them all; a prefetch only as many as
+    there are), the map with them, and the fill list padded with a slot that keeps its bytes."""
     E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
     M = min(N, S)
     pos = mx.arange(N, dtype=mx.int32)
@@ -109,39 +109,53 @@ def map_step_ops(state: MapState, inds: mx.array, slots: int) -> tuple:
     hit = cur >= 0
     first = mx.full((E + 1,), N, mx.int32).at[mx.where(valid, e, E)].minimum(pos)
     unique = valid & (first[e] == pos)
-    uhit, umiss = unique & hit, unique & ~hit
-    nmiss = umiss.astype(mx.int32).sum()
+    miss = unique & ~hit
     slot_ids = mx.arange(S, dtype=mx.int64)
-    used = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
+    hit_slots = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
+    used = hit_slots | (state.stamp == state.clock - 1) if protect_recent else hit_slots
     key = mx.where(used, BIG + slot_ids, state.stamp.astype(mx.int64) * S + slot_ids)
     order = mx.argsort(key).astype(mx.int32)
-    rank = mx.cumsum(umiss.astype(mx.int32)) - 1
+    rank = mx.cumsum(miss.astype(mx.int32)) - 1
+    take = miss if demand else miss & (rank < S - used.astype(mx.int32).sum())
+    n = take.astype(mx.int32).sum()
     victim = order[mx.clip(rank, 0, S - 1)]
     evicted = state.expert_in[victim]
     slot_of = mx.concatenate([state.slot_of, mx.array([-1], mx.int32)])
-    slot_of[mx.where(umiss & (evicted >= 0), evicted, E)] = -1
-    slot_of[mx.where(umiss, e, E)] = mx.where(umiss, victim, -1)
-    slot_of = slot_of[:E]
+    slot_of[mx.where(take & (evicted >= 0), evicted, E)] = -1
+    slot_of[mx.where(take, e, E)] = mx.where(take, victim, -1)
     expert_in = mx.concatenate([state.expert_in, mx.array([-1], mx.int32)])
-    expert_in[mx.where(umiss, victim, S)] = e
-    expert_in = expert_in[:S]
-    filled = mx.zeros((S + 1,), mx.int32).at[mx.where(umiss, victim, S)].add(1)[:S] > 0
-    stamp = mx.where(used | filled, state.clock, state.stamp)
-    remapped = mx.where(valid, slot_of[e], 0).astype(mx.uint32)
-    at = mx.where(umiss, rank, M)
+    expert_in[mx.where(take, victim, S)] = e
+    filled = mx.zeros((S + 1,), mx.int32).at[mx.where(take, victim, S)].add(1)[:S] > 0
+    at = mx.where(take, rank, M)
     fill_e = mx.full((M + 1,), -1, mx.int32)
     fill_e[at] = e
-    pad = order[mx.minimum(nmiss, S - 1)]
-    fill_s = mx.broadcast_to(pad, (M + 1,)).astype(mx.int32)
+    fill_s = mx.broadcast_to(order[mx.minimum(n, S - 1)], (M + 1,)).astype(mx.int32)
     fill_s[at] = victim
+    return dict(
+        e=e, valid=valid, uhit=unique & hit, used=used, filled=filled, n=n, slot_of=slot_of[:E],
+        expert_in=expert_in[:S], stamp=mx.where(hit_slots | filled, state.clock, state.stamp),
+        fill_e=fill_e[:M], fill_s=fill_s[:M],
+    )  # fmt: skip
+
+
+def _count(*figures):
+    return mx.stack([mx.array(0, mx.int32) if f is None else f.astype(mx.int32) for f in figures])
+
+
+def map_step_ops(state: MapState, inds: mx.array, slots: int) -> tuple:
+    """One step of a layer's slot map (module docstring) as MLX operations. `inds` (N,) int32 are
+    the router's experts, -1 for a pair this step ignores. Returns (new MapState, Fill)."""
+    t = _take(state, inds, slots, demand=True)
+    remapped = mx.where(t["valid"], t["slot_of"][t["e"]], 0).astype(mx.uint32)
     # a prefetched slot is useful if this step hits it, wasted otherwise; either way it is looked at
     pend = state.pending > 0
-    useful = (pend & used).astype(mx.int32).sum()
-    wasted = (pend & ~used).astype(mx.int32).sum()
-    zero = mx.array(0, mx.int32)
-    counters = state.counters + mx.stack([uhit.astype(mx.int32).sum(), nmiss, zero, useful, wasted])
-    new = MapState(slot_of, expert_in, stamp, state.clock + 1, counters, mx.zeros_like(state.pending))
-    return new, Fill(remapped, fill_e[:M], fill_s[:M], nmiss.reshape(1))
+    useful, wasted = (pend & t["used"]).sum(), (pend & ~t["used"]).sum()
+    counters = state.counters + _count(t["uhit"].sum(), t["n"], None, useful, wasted)
+    new = MapState(t["slot_of"], t["expert_in"], t["stamp"], state.clock + 1, counters, mx.zeros_like(state.pending))
+    return new, Fill(remapped, t["fill_e"], t["fill_s"], t["n"].reshape(1))
+
+
+NO_REMAP = mx.zeros((1,), mx.uint32)  # a prefetch's Fill has no indices to pass on
 
 
 def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recent: bool = False) -> tuple:
@@ -151,106 +165,19 @@ def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recen
     long as there is one, and is marked pending; a pending slot evicted this way is wasted.
     `protect_recent`: the slots the latest demand step used keep their experts too (a depth that
     wraps onto the layer being computed). The clock does not move: it counts demand steps."""
-    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
-    M = min(N, S)
-    pos = mx.arange(N, dtype=mx.int32)
-    valid = inds >= 0
-    e = mx.where(valid, inds, 0)
-    cur = mx.where(valid, state.slot_of[e], -1)
-    hit = cur >= 0
-    first = mx.full((E + 1,), N, mx.int32).at[mx.where(valid, e, E)].minimum(pos)
-    unique = valid & (first[e] == pos)
-    want = unique & ~hit
-    slot_ids = mx.arange(S, dtype=mx.int64)
-    used = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
-    if protect_recent:
-        used = used | (state.stamp == state.clock - 1)
-    free = S - used.astype(mx.int32).sum()
-    key = mx.where(used, BIG + slot_ids, state.stamp.astype(mx.int64) * S + slot_ids)
-    order = mx.argsort(key).astype(mx.int32)
-    rank = mx.cumsum(want.astype(mx.int32)) - 1
-    issue = want & (rank < free)
-    n = issue.astype(mx.int32).sum()
-    victim = order[mx.clip(rank, 0, S - 1)]
-    evicted = state.expert_in[victim]
-    slot_of = mx.concatenate([state.slot_of, mx.array([-1], mx.int32)])
-    slot_of[mx.where(issue & (evicted >= 0), evicted, E)] = -1
-    slot_of[mx.where(issue, e, E)] = mx.where(issue, victim, -1)
-    slot_of = slot_of[:E]
-    expert_in = mx.concatenate([state.expert_in, mx.array([-1], mx.int32)])
-    expert_in[mx.where(issue, victim, S)] = e
-    expert_in = expert_in[:S]
-    filled = mx.zeros((S + 1,), mx.int32).at[mx.where(issue, victim, S)].add(1)[:S] > 0
-    touched = mx.zeros((S + 1,), mx.int32).at[mx.where(hit, cur, S)].add(1)[:S] > 0
-    stamp = mx.where(filled | touched, state.clock, state.stamp)
-    wasted = ((state.pending > 0) & filled).astype(mx.int32).sum()
-    pending = mx.where(filled, 1, state.pending).astype(mx.int32)
-    at = mx.where(issue, rank, M)
-    fill_e = mx.full((M + 1,), -1, mx.int32)
-    fill_e[at] = e
-    pad = order[mx.minimum(n, S - 1)]
-    fill_s = mx.broadcast_to(pad, (M + 1,)).astype(mx.int32)
-    fill_s[at] = victim
-    zero = mx.array(0, mx.int32)
-    counters = state.counters + mx.stack([zero, zero, n, zero, wasted])
-    new = MapState(slot_of, expert_in, stamp, state.clock, counters, pending)
-    return new, Fill(mx.zeros((1,), mx.uint32), fill_e[:M], fill_s[:M], n.reshape(1))
+    t = _take(state, inds, slots, demand=False, protect_recent=protect_recent)
+    wasted = ((state.pending > 0) & t["filled"]).sum()
+    pending = mx.where(t["filled"], 1, state.pending).astype(mx.int32)
+    counters = state.counters + _count(None, None, t["n"], None, wasted)
+    new = MapState(t["slot_of"], t["expert_in"], t["stamp"], state.clock, counters, pending)
+    return new, Fill(NO_REMAP, t["fill_e"], t["fill_s"], t["n"].reshape(1))
 
 
 # -- the map step as one CUDA kernel ----------------------------------------------------------------
-MAP_SOURCE = """
-if (blockIdx.x != 0 || threadIdx.x != 0) return;
-const int N = inds_shape[0];
-const int M = N < S ? N : S;
-for (int e = 0; e < E; ++e) slot_of_o[e] = slot_of[e];
-for (int s = 0; s < S; ++s) { expert_in_o[s] = expert_in[s]; stamp_o[s] = stamp[s]; }
-const int clk = clock[0];
-bool used[S], taken[S], seen[E];
-for (int s = 0; s < S; ++s) { used[s] = false; taken[s] = false; }
-for (int e = 0; e < E; ++e) seen[e] = false;
-for (int j = 0; j < N; ++j) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
-int hits = 0, nmiss = 0;
-for (int j = 0; j < N; ++j) {
-  const int e = inds[j];
-  if (e < 0 || seen[e]) continue;
-  seen[e] = true;
-  if (slot_of[e] >= 0) { ++hits; continue; }
-  long long best = 0; int v = -1;
-  for (int s = 0; s < S; ++s) {
-    if (used[s] || taken[s]) continue;
-    const long long key = (long long)stamp[s] * S + s;
-    if (v < 0 || key < best) { best = key; v = s; }
-  }
-  if (v < 0) { v = 0; }  // more experts than free slots: the caller plans batches that fit
-  taken[v] = true;
-  const int old = expert_in_o[v];
-  if (old >= 0) slot_of_o[old] = -1;
-  slot_of_o[e] = v; expert_in_o[v] = e;
-  if (nmiss < M) { fill_e[nmiss] = e; fill_s[nmiss] = v; }
-  ++nmiss;
-}
-int pad = -1; long long best = 0;
-for (int s = 0; s < S; ++s) {
-  if (taken[s]) continue;
-  const long long key = used[s] ? (1LL << 40) + s : (long long)stamp[s] * S + s;
-  if (pad < 0 || key < best) { best = key; pad = s; }
-}
-if (pad < 0) pad = fill_s[M - 1];
-for (int j = nmiss; j < M; ++j) { fill_e[j] = -1; fill_s[j] = pad; }
-for (int j = 0; j < N; ++j) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)slot_of_o[e] : 0u; }
-for (int s = 0; s < S; ++s) if (used[s] || taken[s]) stamp_o[s] = clk;
-int useful = 0, wasted = 0;
-for (int s = 0; s < S; ++s) { if (pending[s]) { if (used[s]) ++useful; else ++wasted; } pending_o[s] = 0; }
-clock_o[0] = clk + 1;
-count[0] = nmiss;
-counters_o[0] = counters[0] + hits;
-counters_o[1] = counters[1] + nmiss;
-counters_o[2] = counters[2];
-counters_o[3] = counters[3] + useful;
-counters_o[4] = counters[4] + wasted;
-"""
-
-PREFETCH_SOURCE = """
+# One thread: the step is tens of entries. Both kinds of step share the head, the way a slot is
+# taken and the padding of the fill list; PROTECT (a template constant) is a prefetch's
+# protect_recent.
+_HEAD = """
 if (blockIdx.x != 0 || threadIdx.x != 0) return;
 const int N = inds_shape[0];
 const int M = N < S ? N : S;
@@ -261,30 +188,28 @@ bool used[S], taken[S], seen[E];
 for (int s = 0; s < S; ++s) { used[s] = PROTECT && stamp[s] == clk - 1; taken[s] = false; }
 for (int e = 0; e < E; ++e) seen[e] = false;
 for (int j = 0; j < N; ++j) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
-int nfree = 0;
+int n = 0, hits = 0, wasted = 0, rank = 0, nfree = 0;
 for (int s = 0; s < S; ++s) if (!used[s]) ++nfree;
-int n = 0, wasted = 0, rank = 0;
 for (int j = 0; j < N; ++j) {
   const int e = inds[j];
   if (e < 0 || seen[e]) continue;
   seen[e] = true;
-  if (slot_of[e] >= 0) { stamp_o[slot_of[e]] = clk; continue; }
-  if (rank++ >= nfree) continue;
+"""
+_TAKE = """
   long long best = 0; int v = -1;
   for (int s = 0; s < S; ++s) {
     if (used[s] || taken[s]) continue;
     const long long key = (long long)stamp[s] * S + s;
     if (v < 0 || key < best) { best = key; v = s; }
   }
+  if (v < 0) v = 0;  // more experts than free slots: a demand step's caller plans batches that fit
   taken[v] = true;
   const int old = expert_in_o[v];
   if (old >= 0) slot_of_o[old] = -1;
   slot_of_o[e] = v; expert_in_o[v] = e;
-  if (pending[v]) ++wasted;
-  pending_o[v] = 1;
-  stamp_o[v] = clk;
-  fill_e[n] = e; fill_s[n] = v;
-  ++n;
+  if (n < M) { fill_e[n] = e; fill_s[n] = v; }
+"""
+_PAD = """
 }
 int pad = -1; long long best = 0;
 for (int s = 0; s < S; ++s) {
@@ -294,33 +219,53 @@ for (int s = 0; s < S; ++s) {
 }
 if (pad < 0) pad = fill_s[M - 1];
 for (int j = n; j < M; ++j) { fill_e[j] = -1; fill_s[j] = pad; }
-clock_o[0] = clk;
 count[0] = n;
+"""
+MAP_SOURCE = (
+    _HEAD
+    + "  if (slot_of[e] >= 0) { ++hits; continue; }"
+    + _TAKE
+    + "  ++n;"
+    + _PAD
+    + """
+for (int j = 0; j < N; ++j) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)slot_of_o[e] : 0u; }
+for (int s = 0; s < S; ++s) if (used[s] || taken[s]) stamp_o[s] = clk;
+int useful = 0;
+for (int s = 0; s < S; ++s) { if (pending[s]) { if (used[s]) ++useful; else ++wasted; } pending_o[s] = 0; }
+clock_o[0] = clk + 1;
+counters_o[0] = counters[0] + hits;
+counters_o[1] = counters[1] + n;
+counters_o[2] = counters[2];
+counters_o[3] = counters[3] + useful;
+counters_o[4] = counters[4] + wasted;
+"""
+)
+PREFETCH_SOURCE = (
+    _HEAD
+    + """  if (slot_of[e] >= 0) { stamp_o[slot_of[e]] = clk; continue; }
+  if (rank++ >= nfree) continue;"""
+    + _TAKE
+    + """  if (pending[v]) ++wasted;
+  pending_o[v] = 1;
+  stamp_o[v] = clk;
+  ++n;"""
+    + _PAD
+    + """
+clock_o[0] = clk;
 counters_o[0] = counters[0];
 counters_o[1] = counters[1];
 counters_o[2] = counters[2] + n;
 counters_o[3] = counters[3];
 counters_o[4] = counters[4] + wasted;
 """
-
-_KERNELS = {}
-
-
-def _kernel(name, inputs, outputs, source):
-    """One compiled kernel per body and signature (MLX compiles it at its first launch)."""
-    digest = hashlib.sha256("\0".join([source, *inputs, "|", *outputs]).encode()).hexdigest()[:16]
-    if (name, digest) not in _KERNELS:
-        _KERNELS[name, digest] = mx.fast.cuda_kernel(
-            name=f"titan_{name}_{digest}", input_names=inputs, output_names=outputs, source=source
-        )
-    return _KERNELS[name, digest]
+)
 
 
 def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) -> tuple:
     """`map_step_ops` as one single-thread CUDA kernel (the same outputs, bit for bit)."""
     E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
     M = min(N, S)
-    k = _kernel("map", STATE_IN, STATE_OUT + ["remapped", "fill_e", "fill_s", "count"], MAP_SOURCE)
+    k = cuda_kernel("map", STATE_IN, STATE_OUT + ("remapped", "fill_e", "fill_s", "count"), MAP_SOURCE)
     i32 = mx.int32
     out = k(
         inputs=[inds, *state.arrays()],
@@ -328,7 +273,7 @@ def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) ->
         output_dtypes=[i32] * 6 + [mx.uint32, i32, i32, i32],
         grid=(1, 1, 1),
         threadgroup=(1, 1, 1),
-        template=[("E", E), ("S", S)],
+        template=[("E", E), ("S", S), ("PROTECT", False)],
         stream=stream,
     )
     return MapState(*out[:6]), Fill(*out[6:])
@@ -338,7 +283,7 @@ def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_re
     """`prefetch_step_ops` as one single-thread CUDA kernel."""
     E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
     M = min(N, S)
-    k = _kernel("prefetch", STATE_IN, STATE_OUT + ["fill_e", "fill_s", "count"], PREFETCH_SOURCE)
+    k = cuda_kernel("prefetch", STATE_IN, STATE_OUT + ("fill_e", "fill_s", "count"), PREFETCH_SOURCE)
     i32 = mx.int32
     out = k(
         inputs=[inds, *state.arrays()],
@@ -349,11 +294,11 @@ def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_re
         template=[("E", E), ("S", S), ("PROTECT", bool(protect_recent))],
         stream=stream,
     )
-    return MapState(*out[:6]), Fill(mx.zeros((1,), mx.uint32), *out[6:])
+    return MapState(*out[:6]), Fill(NO_REMAP, *out[6:])
 
 
-STATE_IN = ["inds", "slot_of", "expert_in", "stamp", "clock", "counters", "pending"]
-STATE_OUT = ["slot_of_o", "expert_in_o", "stamp_o", "clock_o", "counters_o", "pending_o"]
+STATE_IN = ("inds", "slot_of", "expert_in", "stamp", "clock", "counters", "pending")
+STATE_OUT = ("slot_of_o", "expert_in_o", "stamp_o", "clock_o", "counters_o", "pending_o")
 
 
 def state_shapes(E: int, S: int) -> list:
@@ -377,25 +322,16 @@ def fill_source(tensors, record_bytes: int, experts: int) -> str:
     """The fill kernel: rows r < count[0] of (fill_e, fill_s) copy tensor i of record (layer, e) of
     the host tier at base[0] into slot s of the table at addrs[i]; `remapped` passes through, so
     that what reads it (the layer's SwitchGLU) runs after the copy."""
-    lines = [
+    head = [
         "const unsigned long long area = base[0];",
         f"const unsigned long long first_rec = (unsigned long long)layer[0] * {experts}ULL;",
         "const int n = count[0];",
-        "const size_t step = (size_t)gridDim.x * blockDim.x;",
-        "const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;",
+        *GRID_STRIDE,
         "const size_t N = remapped_shape[0];",
         "for (size_t i = first; i < N; i += step) remapped_o[i] = remapped[i];",
     ]
-    for i, t in enumerate(tensors):
-        g = grain(t.offset, t.nbytes, record_bytes)
-        ct, w = CTYPES[g], t.nbytes // g
-        src = f"(const {ct}*)(area + (first_rec + (unsigned long long)fill_e[r]) * {record_bytes}ULL + {t.offset}ULL)"
-        lines.append(
-            f"for (size_t i = first; i < (size_t)n * {w}; i += step) {{ "
-            f"const size_t r = i / {w}; const size_t k = i - r * {w}; const {ct}* src = {src}; "
-            f"{ct}* dst = ({ct}*)(addrs[{i}]) + (size_t)fill_s[r] * {w}; dst[k] = src[k]; }}"
-        )
-    return "\n".join(lines)
+    dest = lambda i, ct, w: f"({ct}*)(addrs[{i}]) + (size_t)fill_s[r] * {w}"  # noqa: E731
+    return "\n".join(head + record_loops(tensors, record_bytes, "n", "(first_rec + fill_e[r])", dest))
 
 
 def device_addresses(buffers) -> np.ndarray:
@@ -404,7 +340,7 @@ def device_addresses(buffers) -> np.ndarray:
     the buffer to managed memory for good)."""
     names = [f"t{i}" for i in range(len(buffers))]
     src = "\n".join(f"out[{i}] = (unsigned long long)(const void*){n};" for i, n in enumerate(names))
-    k = _kernel("address", names, ["out"], "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + src + "\n}")
+    k = cuda_kernel("address", tuple(names), ("out",), "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + src + "\n}")
     (out,) = k(inputs=list(buffers), output_shapes=[(len(buffers),)], output_dtypes=[mx.uint64], grid=(1, 1, 1),
                threadgroup=(1, 1, 1))  # fmt: skip
     return np.array(out)
@@ -413,17 +349,18 @@ def device_addresses(buffers) -> np.ndarray:
 FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
 
 
-def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=(), stream=None) -> mx.array:
+def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=(), stream=None, source=None) -> mx.array:
     """The fill as one kernel writing into the slot tables' memory; returns `fill.remapped` as the
     kernel's output (the dependency that orders the layer's SwitchGLU after the copy). `after`:
     arrays whose producers must have run first (the previous readers of these tables, a prefetch's
-    fill of them): MLX orders kernels by what they read and write, and it cannot see these writes."""
+    fill of them): MLX orders kernels by what they read and write, and it cannot see these writes.
+    `source`: fill_source's text, made once by the caller (it is the same for every layer)."""
     after = [a for a in after if a is not None]
-    src = fill_source(tensors, tier.record_bytes, tier.num_experts)
-    names = ["base", "layer", "addrs", "fill_e", "fill_s", "count", "remapped"] + [
+    src = source or fill_source(tensors, tier.record_bytes, tier.num_experts)
+    names = ("base", "layer", "addrs", "fill_e", "fill_s", "count", "remapped") + tuple(
         f"after{i}" for i in range(len(after))
-    ]
-    k = _kernel("fill", names, ["remapped_o"], src)
+    )
+    k = cuda_kernel("fill", names, ("remapped_o",), src)
     (out,) = k(
         inputs=[tier.base, layer_arr, addrs, fill.experts, fill.slots, fill.count, fill.remapped, *after],
         output_shapes=[fill.remapped.shape],
@@ -483,6 +420,7 @@ class DeviceCache:
         if mode == "kernel":
             self.addrs = [mx.array(device_addresses(bufs)) for bufs in self.tables]
             mx.eval(self.addrs)
+            self.fill_src = fill_source(self.tensors, self.tier.record_bytes, self.num_experts)
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
         self.prefetched = [None] * store.num_layers  # each layer's last prefetch fill (kernel mode's ordering)
         # Prefetch fills on a stream of their own, so that their PCIe reads overlap compute.
@@ -508,7 +446,9 @@ class DeviceCache:
         if self.mode == "kernel":
             state, fill = map_step_kernel(self.states[layer], inds, S)
             after = (self.after[layer], self.prefetched[layer])
-            remapped = fill_kernel(self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, after)
+            remapped = fill_kernel(
+                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, after, source=self.fill_src
+            )
             self.prefetched[layer] = None
         else:
             state, fill = map_step_ops(self.states[layer], inds, S)
@@ -528,8 +468,9 @@ class DeviceCache:
             s2 = self.prefetch_stream
             state, fill = prefetch_step_kernel(self.states[layer], inds, S, protect_recent, stream=s2)
             self.prefetched[layer] = fill_kernel(
-                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, (self.after[layer],), s2
-            )
+                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, (self.after[layer],), s2,
+                source=self.fill_src,
+            )  # fmt: skip
         else:
             state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
             fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)

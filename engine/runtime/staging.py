@@ -27,6 +27,7 @@ installs are tested on the CPU (tests/test_staging.py). It is not a user-facing 
 the CPU, where `inplace` is cheaper (`device.resolve_install`).
 """
 
+import functools
 import hashlib
 from collections import deque
 
@@ -54,40 +55,52 @@ def grain(offset: int, nbytes: int, record_bytes: int) -> int:
     return next(g for g in (16, 8, 4, 2, 1) if offset % g == 0 and nbytes % g == 0 and record_bytes % g == 0)
 
 
-def kernel_source(tensors, record_bytes: int) -> str:
-    """One grid-stride loop per tensor: output `o{i}` (n, *shape) row r is tensor i of record recs[r]
-    of the staging area at device address base[0]."""
-    lines = [
-        "const unsigned long long area = base[0];",
-        "const size_t step = (size_t)gridDim.x * blockDim.x;",
-        "const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;",
-        "const size_t n = recs_shape[0];",
-    ]
+GRID_STRIDE = [
+    "const size_t step = (size_t)gridDim.x * blockDim.x;",
+    "const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;",
+]
+
+
+def record_loops(tensors, record_bytes: int, count: str, record: str, dest) -> list:
+    """One grid-stride loop per tensor, copying tensor i of records at `area` (a device address):
+    for each row r < `count` (a C expression), record number `record` (a C expression of r) to
+    `dest(i, ctype, words)` (a C pointer expression of r), at the widest load that tiles it."""
+    lines = []
     for i, t in enumerate(tensors):
         g = grain(t.offset, t.nbytes, record_bytes)
         ct, w = _CTYPES[g], t.nbytes // g
+        src = f"(const {ct}*)(area + (unsigned long long){record} * {record_bytes}ULL + {t.offset}ULL)"
         lines.append(
-            f"for (size_t i = first; i < n * {w}; i += step) {{ const size_t r = i / {w}; "
-            f"const {ct}* src = (const {ct}*)(area + (unsigned long long)recs[r] * {record_bytes}ULL + {t.offset}ULL); "
-            f"(({ct}*)o{i})[i] = src[i - r * {w}]; }}"
+            f"for (size_t i = first; i < (size_t){count} * {w}; i += step) {{ const size_t r = i / {w}; "
+            f"const size_t k = i - r * {w}; const {ct}* src = {src}; {ct}* dst = {dest(i, ct, w)}; dst[k] = src[k]; }}"
         )
-    return "\n".join(lines)
+    return lines
 
 
-_KERNELS = {}
+def kernel_source(tensors, record_bytes: int) -> str:
+    """One grid-stride loop per tensor: output `o{i}` (n, *shape) row r is tensor i of record recs[r]
+    of the staging area at device address base[0]."""
+    head = ["const unsigned long long area = base[0];", *GRID_STRIDE, "const size_t n = recs_shape[0];"]
+    return "\n".join(
+        head + record_loops(tensors, record_bytes, "n", "recs[r]", lambda i, ct, w: f"(({ct}*)o{i}) + r * {w}")
+    )
+
+
+@functools.cache
+def cuda_kernel(name: str, inputs: tuple, outputs: tuple, source: str):
+    """One `mx.fast.cuda_kernel` per body and signature, named by their digest (MLX compiles it at
+    its first launch). Cached: a decode step asks for its kernels at every layer."""
+    digest = hashlib.sha256("\0".join([source, *inputs, "|", *outputs]).encode()).hexdigest()[:16]
+    return mx.fast.cuda_kernel(
+        name=f"titan_{name}_{digest}", input_names=list(inputs), output_names=list(outputs), source=source
+    )
 
 
 def copy_kernel(tensors, record_bytes: int):
-    src = kernel_source(tensors, record_bytes)
-    key = hashlib.sha256(src.encode()).hexdigest()[:16]
-    if key not in _KERNELS:
-        _KERNELS[key] = mx.fast.cuda_kernel(
-            name=f"titan_stage_{key}",
-            input_names=["base", "recs"],
-            output_names=[f"o{i}" for i in range(len(tensors))] + ["fence"],
-            source=src,
-        )
-    return _KERNELS[key]
+    n = len(tensors)
+    return cuda_kernel(
+        "stage", ("base", "recs"), tuple(f"o{i}" for i in range(n)) + ("fence",), kernel_source(tensors, record_bytes)
+    )
 
 
 def _dtype(name):
