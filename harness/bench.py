@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generate_step
 
 from engine import device, load
 from engine.cli import positive, probability
@@ -230,8 +231,6 @@ def throughput(a):
 def pipelined(model, ids, n: int):
     """One decode through mlx-lm's own `generate_step` (its async_eval pipelining): tokens/s after
     the first token, the prefill's seconds (to the first token), and the peak memory it added."""
-    from mlx_lm.generate import generate_step
-
     mx.reset_peak_memory()
     start_mem = mx.get_active_memory()
     t0 = time.perf_counter()

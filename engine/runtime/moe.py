@@ -93,9 +93,10 @@ class Destination:
 # `per_miss`: the paper's first version, kept for its ablation: one miss at a time, each read on a
 # reader thread and the slot table evaluated after it, whatever the default path does.
 SYNC_MODES = ("batched", "per_miss")
-# The largest batch of reads worth doing in the decode thread rather than handing to the reader
-# threads: a hand-off costs tens of microseconds, a page-cache read of 1 MB about 0.2 ms on one
-# core; above it the threads read in parallel (bench miss measures both: inline_vs_threads_ms).
+# The largest batch of reads done in the decode thread rather than handed to the reader threads:
+# below it a hand-off is not repaid by reading in parallel. A choice, not a calibration: the sync
+# ablation's records on this CPU (results/raw/C/sync_ablation/s27-sync-cpu-*) show batches of
+# 30 kB experts gain by it; full-size experts (3.5 MB) keep the threads; not measured on a GPU.
 INLINE_BYTES = 1 << 20
 
 
@@ -323,10 +324,11 @@ class ExpertCache:
     def read(self, layer: int, reads, inline: bool = True) -> list:
         """Read `reads` = [(expert, destinations)] of one layer; returns each read's seconds. A batch
         of at most INLINE_BYTES is read in the decode thread, one `preadv` after another: for small
-        experts handing reads to the reader threads costs more than the reads (issue 32: at 30 kB
-        an expert, the batched path lost to the per-miss ablation by x0.9); larger batches go to
-        the reader threads, which read them at once. Without `inline` every read goes to a reader
-        thread (the paper's first version, which the per-miss ablation keeps)."""
+        experts handing reads to the reader threads costs more than the reads (issue 32: the
+        batched path lost to the per-miss ablation on olmoe-tiny-f32; `snakemake claims_check`
+        shows it); larger batches go to the reader threads, which read them at once. Without
+        `inline` every read goes to a reader thread (the paper's first version, which the per-miss
+        ablation keeps)."""
         store = self.store
         if inline and len(reads) * store.expert_bytes <= INLINE_BYTES:
             return [store.read_into(layer, e, dests) for e, dests in reads]
