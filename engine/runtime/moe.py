@@ -95,7 +95,7 @@ class Destination:
 SYNC_MODES = ("batched", "per_miss")
 # The largest batch of reads done in the decode thread rather than handed to the reader threads:
 # below it a hand-off is not repaid by reading in parallel. A choice, not a calibration: the sync
-# ablation's records on this CPU (results/raw/C/sync_ablation/s27-sync-cpu-*) show batches of
+# ablation's records on the development CPU (the workflow's run s27-sync-cpu) show batches of
 # 30 kB experts gain by it; full-size experts (3.5 MB) keep the threads; not measured on a GPU.
 INLINE_BYTES = 1 << 20
 
