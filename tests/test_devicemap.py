@@ -317,25 +317,27 @@ def test_the_map_kernel_gives_the_operations_maps(E, S):
 
 @gpu_only
 def test_the_fill_kernel_writes_the_slots_in_place_and_nothing_else():
-    """Through addresses read by a kernel from its inputs: the named slots take the host tier's
-    records, the others keep their bytes, and the tables are still where they were."""
+    """Through the tables' own pointers: the named slots take the host tier's records and the others
+    keep their bytes, also after the tables were read on the host (which moves a CUDA array's
+    memory: a fill writing through an address taken before would miss the table)."""
     eng = load("olmoe-tiny", EngineConfig(slots=8, install="device"))
     try:
-        cache = eng.cache
-        before = [np.array(b) for b in cache.tables[0]]
-        addrs = devicemap.device_addresses(cache.tables[0])
-        state, fill = devicemap.map_step_kernel(cache.states[0], mx.array([3, 9, 40, 63], mx.int32), 8)
-        out = devicemap.fill_kernel(cache.tier, cache.layer_ids[0], cache.addrs[0], cache.tensors, fill)
-        mx.eval(out)
-        slots = np.array(fill.slots)[: int(fill.count[0])]
-        for t, b, old in zip(cache.tensors, cache.tables[0], before):
-            now = np.array(b)
-            for e, s in zip([3, 9, 40, 63], slots):
-                row = cache.tier.rows[cache.tier.row(0, e)][t.offset : t.offset + t.nbytes]
-                assert now[s].tobytes() == row.tobytes()
-            others = [s for s in range(8) if s not in set(slots.tolist())]
-            assert np.array_equal(now[others], old[others])
-        assert np.array_equal(devicemap.device_addresses(cache.tables[0]), addrs)
+        cache, state = eng.cache, eng.cache.states[0]
+        for wanted in ([3, 9, 40, 63], [1, 9, 2, 7, 5]):
+            resident = set(np.array(state.expert_in).tolist())
+            before = [np.array(b) for b in cache.tables[0]]  # a host read of every table
+            state, fill = devicemap.map_step_kernel(state, mx.array(wanted, mx.int32), 8)
+            mx.eval(devicemap.fill_kernel(cache.tier, cache.layer_ids[0], cache.tables[0], cache.tensors, fill))
+            n = int(fill.count[0])
+            filled = dict(zip(np.array(fill.experts)[:n].tolist(), np.array(fill.slots)[:n].tolist()))
+            assert set(filled) == set(wanted) - resident
+            for t, b, old in zip(cache.tensors, cache.tables[0], before):
+                now = np.array(b)
+                for e, s in filled.items():
+                    row = cache.tier.rows[cache.tier.row(0, e)][t.offset : t.offset + t.nbytes]
+                    assert now[s].tobytes() == row.tobytes()
+                others = [s for s in range(8) if s not in set(filled.values())]
+                assert np.array_equal(now[others], old[others])
     finally:
         eng.close()
 

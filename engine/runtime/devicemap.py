@@ -21,8 +21,9 @@ a resident model's; counters stay on the device until asked for.
 Two implementations of the map step and the fill, chosen per `DeviceCache(mode=...)`:
 - `kernel` (a CUDA GPU): the map step is one single-thread `mx.fast.cuda_kernel`; the fill is a
   grid-stride kernel that reads the records across PCIe and writes them straight into the slot
-  tables' device memory, through addresses a kernel read once from its own inputs (MLX cannot name
-  an existing array as a kernel's output). Only the misses' bytes move.
+  tables' memory: MLX cannot name an existing array as a kernel's output, so the tables are the
+  kernel's inputs and it writes through their pointers, handed to it at every launch (a table's
+  memory can move: a host read of it moves it to managed memory). Only the misses' bytes move.
 - `ops` (the CPU, CI, and a fallback on a GPU): the same algorithm as MLX operations, and the fill
   as a gather from the host tier and one scatter per tensor (padded entries rewrite a slot with its
   own bytes). Tests check the two give the same maps on a GPU and the ops against a NumPy model of
@@ -320,8 +321,8 @@ def fill_ops(tier: HostTier, layer: int, buffers, tensors, fill: Fill):
 
 def fill_source(tensors, record_bytes: int, experts: int) -> str:
     """The fill kernel: rows r < count[0] of (fill_e, fill_s) copy tensor i of record (layer, e) of
-    the host tier at base[0] into slot s of the table at addrs[i]; `remapped` passes through, so
-    that what reads it (the layer's SwitchGLU) runs after the copy."""
+    the host tier at base[0] into slot s of table `tab{i}` (an input: written through its pointer);
+    `remapped` passes through, so that what reads it (the layer's SwitchGLU) runs after the copy."""
     head = [
         "const unsigned long long area = base[0];",
         f"const unsigned long long first_rec = (unsigned long long)layer[0] * {experts}ULL;",
@@ -330,39 +331,27 @@ def fill_source(tensors, record_bytes: int, experts: int) -> str:
         "const size_t N = remapped_shape[0];",
         "for (size_t i = first; i < N; i += step) remapped_o[i] = remapped[i];",
     ]
-    dest = lambda i, ct, w: f"({ct}*)(addrs[{i}]) + (size_t)fill_s[r] * {w}"  # noqa: E731
+    dest = lambda i, ct, w: f"(({ct}*)tab{i}) + (size_t)fill_s[r] * {w}"  # noqa: E731
     return "\n".join(head + record_loops(tensors, record_bytes, "n", "(first_rec + fill_e[r])", dest))
-
-
-def device_addresses(buffers) -> np.ndarray:
-    """The device address of each (evaluated, contiguous) MLX array, read by a kernel from its own
-    inputs: MLX hands a kernel its inputs' data pointers, and no host view is taken (one would move
-    the buffer to managed memory for good)."""
-    names = [f"t{i}" for i in range(len(buffers))]
-    src = "\n".join(f"out[{i}] = (unsigned long long)(const void*){n};" for i, n in enumerate(names))
-    k = cuda_kernel("address", tuple(names), ("out",), "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + src + "\n}")
-    (out,) = k(inputs=list(buffers), output_shapes=[(len(buffers),)], output_dtypes=[mx.uint64], grid=(1, 1, 1),
-               threadgroup=(1, 1, 1))  # fmt: skip
-    return np.array(out)
 
 
 FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
 
 
-def fill_kernel(tier: HostTier, layer_arr, addrs, tensors, fill: Fill, after=(), stream=None, source=None) -> mx.array:
-    """The fill as one kernel writing into the slot tables' memory; returns `fill.remapped` as the
-    kernel's output (the dependency that orders the layer's SwitchGLU after the copy). `after`:
-    arrays whose producers must have run first (the previous readers of these tables, a prefetch's
-    fill of them): MLX orders kernels by what they read and write, and it cannot see these writes.
-    `source`: fill_source's text, made once by the caller (it is the same for every layer)."""
+def fill_kernel(tier: HostTier, layer_arr, tables, tensors, fill: Fill, after=(), stream=None, source=None) -> mx.array:
+    """The fill as one kernel writing into the slot `tables` (one layer's, evaluated and contiguous);
+    returns `fill.remapped` as the kernel's output (the dependency that orders the layer's SwitchGLU
+    after the copy). `after`: arrays whose producers must have run first (the previous readers of
+    these tables, a prefetch's fill of them): MLX orders kernels by what they read and write, and it
+    cannot see these writes. `source`: fill_source's text, made once by the caller (it is the same
+    for every layer)."""
     after = [a for a in after if a is not None]
     src = source or fill_source(tensors, tier.record_bytes, tier.num_experts)
-    names = ("base", "layer", "addrs", "fill_e", "fill_s", "count", "remapped") + tuple(
-        f"after{i}" for i in range(len(after))
-    )
+    names = ("base", "layer", "fill_e", "fill_s", "count", "remapped")
+    names += tuple(f"tab{i}" for i in range(len(tables))) + tuple(f"after{i}" for i in range(len(after)))
     k = cuda_kernel("fill", names, ("remapped_o",), src)
     (out,) = k(
-        inputs=[tier.base, layer_arr, addrs, fill.experts, fill.slots, fill.count, fill.remapped, *after],
+        inputs=[tier.base, layer_arr, fill.experts, fill.slots, fill.count, fill.remapped, *tables, *after],
         output_shapes=[fill.remapped.shape],
         output_dtypes=[mx.uint32],
         grid=(FILL_THREADS, 1, 1),
@@ -416,10 +405,7 @@ class DeviceCache:
         mx.eval(self.tables)
         self.states = [MapState.empty(self.num_experts, s) for s in per_layer]
         self.layer_ids = [mx.array([i], mx.uint32) for i in range(store.num_layers)]
-        self.addrs = None
         if mode == "kernel":
-            self.addrs = [mx.array(device_addresses(bufs)) for bufs in self.tables]
-            mx.eval(self.addrs)
             self.fill_src = fill_source(self.tensors, self.tier.record_bytes, self.num_experts)
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
         self.prefetched = [None] * store.num_layers  # each layer's last prefetch fill (kernel mode's ordering)
@@ -447,7 +433,7 @@ class DeviceCache:
             state, fill = map_step_kernel(self.states[layer], inds, S)
             after = (self.after[layer], self.prefetched[layer])
             remapped = fill_kernel(
-                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, after, source=self.fill_src
+                self.tier, self.layer_ids[layer], self.tables[layer], self.tensors, fill, after, source=self.fill_src
             )
             self.prefetched[layer] = None
         else:
@@ -468,7 +454,7 @@ class DeviceCache:
             s2 = self.prefetch_stream
             state, fill = prefetch_step_kernel(self.states[layer], inds, S, protect_recent, stream=s2)
             self.prefetched[layer] = fill_kernel(
-                self.tier, self.layer_ids[layer], self.addrs[layer], self.tensors, fill, (self.after[layer],), s2,
+                self.tier, self.layer_ids[layer], self.tables[layer], self.tensors, fill, (self.after[layer],), s2,
                 source=self.fill_src,
             )  # fmt: skip
         else:
