@@ -12,6 +12,43 @@ from .runtime.engine import Engine
 from .runtime.store import top_k_of
 
 
+class OptionError(ValueError):
+    """An option the model cannot take: the message names the option and what it may be."""
+
+
+SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit seed
+
+
+def check_prediction(shape: dict, depth: int, size: int | None, what="--predict-size", depth_option="--depth"):
+    """A prefetch depth and predicted-set size against a model's shape (registry.shape): d within
+    1..L (layer l prefetches layer l + d of the same token, wrapping onto the next token's layers;
+    d = L fills the very layer of the next token), the size within 1..E."""
+    L, E = shape.get("layers"), shape.get("experts")
+    if not 1 <= depth or (L is not None and depth > L):
+        raise OptionError(f"{depth_option} {depth}: must lie within 1..{L or 'layers'} (the model's layers)")
+    if size is not None and (size < 1 or (E is not None and size > E)):
+        raise OptionError(f"{what} {size}: must lie within 1..{E or 'experts'} (the model's experts)")
+
+
+def check(model_id: str, config: EngineConfig) -> None:
+    """Refuse an option the model cannot take before anything is built, traced, fitted or loaded,
+    naming the option and its allowed range. (The engine checks again against the loaded model,
+    whose MoE layers may be fewer than its layers.)"""
+    shape = registry.shape(model_id)
+    E, K = shape.get("experts"), shape.get("top_k")
+    if config.slots is not None:
+        if K is not None and config.slots < K:
+            raise OptionError(f"--slots {config.slots}: below the model's top_k ({K}); every expert a token "
+                              f"routes to must be resident at once: give {K}..{E}")  # fmt: skip
+        if E is not None and config.slots > E:
+            raise OptionError(f"--slots {config.slots}: exceeds the model's {E} experts per layer: give {K or 1}..{E}")
+    check_prediction(shape, config.depth, config.predict_size)
+    for name, value, low, high in (("--readers", config.readers, 1, 256), ("--context", config.context, 1, None),
+                                   ("--staging-records", config.staging_records, 8, 256)):  # fmt: skip
+        if value < low or (high is not None and value > high):
+            raise OptionError(f"{name} {value}: must lie within {low}..{high if high else 'any'}")
+
+
 def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **options) -> Engine:
     """An `Engine` for a registered model: `config` (or `EngineConfig` fields as keywords) says
     how many slots, which install and prefetch. A fitted predictor is fitted on first use (its
@@ -20,6 +57,7 @@ def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **o
         config = EngineConfig(**options)
     elif options:
         raise TypeError("give either config or EngineConfig fields as keywords, not both")
+    check(model_id, config)
     model, tokenizer, spec, path = registry.load(model_id, lazy=True)
     plan = None
     if config.memory is not None:

@@ -55,6 +55,23 @@ def memory_size(value: str) -> int:
     return n
 
 
+def seed(value: str) -> int:
+    n = _int(value)
+    if not 0 <= n <= api.SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must lie within 0..2**64-1, not {n}")
+    return n
+
+
+def seconds(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {value}")
+    return x
+
+
 def _int(value: str) -> int:
     try:
         return int(value)
@@ -105,7 +122,13 @@ def add_engine_args(p):
     p.add_argument(
         "--predictor", choices=list(predictors.NAMES), default="none", help="what to prefetch (none: demand loading)"
     )
-    p.add_argument("--depth", type=positive, default=1, help="prefetch depth d: layer l prefetches layer l+d")
+    p.add_argument(
+        "--depth",
+        type=positive,
+        default=1,
+        help="prefetch depth d, 1..L (the model's MoE layers): layer l prefetches layer l+d of the same token, "
+        "wrapping onto the next token's layers (d = L: the same layer, next token)",
+    )
     p.add_argument("--predict-size", type=positive, default=None, help="experts predicted per layer (default: top_k)")
     p.add_argument(
         "--min-prob",
@@ -136,7 +159,7 @@ def add_generation_args(p):
     p.add_argument("--min-p", type=probability, default=0.0, help="min-p sampling threshold (0: off)")
     p.add_argument("--top-k", type=non_negative, default=0, help="sample among the k likeliest tokens (0: off)")
     p.add_argument("--repetition-penalty", type=non_negative_float, default=None, help="e.g. 1.1 (default: off)")
-    p.add_argument("--seed", type=non_negative, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0..2**64-1)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",
@@ -235,6 +258,7 @@ def cmd_decode(a):
         ids = tok.encode(a.prompt)
         if not ids:
             raise ValueError("--prompt: the prompt encodes to no token; give some text")
+        within_context(a.model, len(ids), a.tokens, "--tokens")
         if a.predictor == "oracle":
             # The oracle reads this very run: record it first with plain mlx-lm (same tokens).
             eng.bind_oracle(trace.record(registry.load_reference(a.model)[0], ids, a.tokens)["experts"])
@@ -273,12 +297,21 @@ def cmd_decode(a):
         eng.close()
 
 
+def within_context(model_id: str, prompt: int, tokens: int, option: str):
+    context = registry.context_of(model_id)
+    if prompt + tokens > context:
+        raise ValueError(f"{option} {tokens}: with the prompt's {prompt} tokens, past the model's context of "
+                         f"{context} tokens (at most {max(context - prompt, 0)})")  # fmt: skip
+
+
 def read_prompt(a) -> str:
     if a.prompt_file == "-":
         return sys.stdin.read()
     if a.prompt_file:
         try:
-            return Path(a.prompt_file).read_text()
+            return Path(a.prompt_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file: {a.prompt_file}: not UTF-8 text (byte {e.start})") from None
         except OSError as e:
             raise ValueError(f"--prompt-file: {a.prompt_file}: {e.strerror}") from None
     return a.prompt
@@ -308,8 +341,24 @@ def cmd_generate(a):
         eng.close()
 
 
+def check_args(a):
+    """What a command's options mean for its model, checked before anything is built, traced,
+    fitted, loaded or served (the parser has checked each value alone): a bad one names the
+    option and its range."""
+    if hasattr(a, "slots"):  # the commands that load an engine
+        api.check(a.model, engine_config(a))
+    if a.cmd == "fit":
+        shape = registry.shape(a.model)
+        api.check_prediction(shape, a.depth, a.size, "--size")
+    for option in ("tokens", "max_tokens"):
+        if getattr(a, option, None) is not None:
+            within_context(a.model, 1, getattr(a, option), "--" + option.replace("_", "-"))
+
+
 def cmd_serve(a, rest):
-    serve.main(a.model, engine_config(a), rest)
+    cfg = engine_config(a)
+    limits = serve.ServeLimits(registry.context_of(a.model), a.queue, a.request_timeout)
+    serve.main(a.model, cfg, limits, rest)
 
 
 def cmd_trace(a):
@@ -317,7 +366,7 @@ def cmd_trace(a):
 
 
 def cmd_fit(a):
-    size = a.size or registry.get_spec(a.model).get("top_k") or 8
+    size = a.size or registry.shape(a.model).get("top_k") or 8
     pred = fitting.fitted_predictor(a.model, a.predictor, a.depth, size, a.set, a.tokens, refit=True)
     print(predictors.fitted_path(a.model, a.set, a.predictor, a.depth, size, a.tokens))
     eval_path = trace.trace_path(a.model, a.set, "eval", a.tokens)
@@ -436,6 +485,19 @@ def parser() -> argparse.ArgumentParser:
         epilog="Options not listed here (--host, --port, --max-tokens, ...) pass through to mlx_lm.server.",
     )
     add_engine_args(p)
+    p.add_argument(
+        "--queue",
+        type=positive,
+        default=8,
+        help="requests admitted at once, one generating and the rest waiting (default 8); past it: 503",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="a request stops generating after this long (default 300; finish_reason: length)",
+    )
     p.set_defaults(fn=cmd_serve, passthrough=True)
 
     p = sub.add_parser("fit", help="fit a predictor on the fit traces and score it on the eval traces")
@@ -476,11 +538,13 @@ def main(argv=None):
     if rest and not getattr(a, "passthrough", False):
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.models:
-        if not os.path.exists(a.models):
-            print(f"error: --models: {a.models}: no such models file", file=sys.stderr)
+        if not os.path.isfile(a.models):
+            why = "a directory, not a models file" if os.path.isdir(a.models) else "no such models file"
+            print(f"error: --models: {a.models}: {why}", file=sys.stderr)
             sys.exit(2)
         os.environ["TITAN_MODELS"] = a.models
     try:
+        check_args(a)
         a.fn(a, rest) if getattr(a, "passthrough", False) else a.fn(a)
     except ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,14 +12,16 @@ Speed is reported, never asserted: the machines are noisy.
 import os
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from engine import device, load
+from engine import api, device, load
 from engine.cli import positive, probability
 from engine.config import EngineConfig
 from engine.models import registry
@@ -31,11 +33,17 @@ from engine.runtime.loop import call_split, decode, model_bytes, summarize, time
 from engine.runtime.moe import records_to_mx
 from engine.runtime.slots import SlotTable
 
-from . import provenance, rawlog
+from . import provenance, rawlog, servebench
+
+DEFAULT_MODEL = {"throughput": "olmoe-tiny-f32", "prefetch": "olmoe-tiny-f32", "serve": "olmoe-tiny-f32"}
+
+
+def model_of(a) -> str:
+    return a.model or DEFAULT_MODEL.get(a.which, "olmoe-1b-7b-shape")
 
 
 def add_args(p):
-    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch"])
+    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch", "serve"])
     p.add_argument(
         "--model",
         default=None,
@@ -112,6 +120,8 @@ def add_args(p):
         default=[0.0],
         help="prefetch: confidence floors to run each fitted predictor at (0: its whole top-k set)",
     )
+    p.add_argument("--clients", type=positive, default=8, help="serve: clients at once")
+    p.add_argument("--requests", type=positive, default=2, help="serve: completions each client asks, one by one")
     p.add_argument(
         "--record", action="store_true", help="also write the result as a raw record under results/raw/bench/<which>/"
     )
@@ -129,7 +139,7 @@ def throughput(a):
     """Engine at S = E and at each --slots (per --installs) against plain mlx-lm, interleaved:
     every repetition runs each configuration once, in a rotating order."""
 
-    mid = a.model or "olmoe-tiny-f32"
+    mid = model_of(a)
     resident, why = resident_fits(mid, getattr(a, "resident", "auto"))
     if not resident and not a.slots:
         raise SystemExit(f"bench throughput: {why}, and no --slots were given: nothing to measure")
@@ -302,7 +312,7 @@ def miss(a):
     """Per-miss cost of every install path against raw reads and the pinned-copy floor, for a lone
     expert and for batches (`--batch`), each path in turn on fresh experts, interleaved."""
 
-    mid = a.model or "olmoe-1b-7b-shape"
+    mid = model_of(a)
     model, _, spec, path = registry.load(mid, lazy=True)
     stores = {r: open_store(mid, model, path, tier=a.tier, readers=r) for r in a.readers}
     R = max(a.readers)
@@ -481,7 +491,7 @@ def _install_diagnosis(store, block, S, repeats):
 
 def install(a):
 
-    mid = a.model or "olmoe-1b-7b-shape"
+    mid = model_of(a)
     model, _, spec, path = registry.load(mid, lazy=True)
     store = open_store(mid, model, path, readers=1)
     del model
@@ -537,7 +547,7 @@ def prefetch_bench(a):
     decoding (S = E) in the same run. Each prompt is one repetition: every configuration decodes
     it in turn (rotating who goes first), so figures are medians over prompts with their range."""
 
-    mid = a.model or "olmoe-tiny-f32"
+    mid = model_of(a)
     ref, tok, spec = registry.load_reference(mid)
     E = spec["experts"]
     S = a.slots[0] if a.slots else E // 4
@@ -637,9 +647,35 @@ def prefetch_bench(a):
     return out
 
 
+def serve(a):
+    """The engine's server beside mlx_lm.server under concurrent clients (harness.servebench)."""
+    with tempfile.TemporaryDirectory(prefix="titan-serve-") as work:
+        out = servebench.run(a, model_of(a), a.slots[0] if a.slots else None, Path(work))
+    servebench.show(out)
+    return out
+
+
+def check_args(a):
+    """The options against the model, before anything is built or measured (engine.cli.check_args)."""
+    model = model_of(a)
+    shape = registry.shape(model)
+    for s in a.slots:
+        api.check(model, EngineConfig(slots=s))
+    for d in a.depths:
+        api.check_prediction(shape, d, None, depth_option="--depths")
+    if a.which not in ("throughput", "prefetch", "serve"):
+        return
+    context = registry.context_of(model)
+    if a.tokens + (a.prompt_tokens or 1) > context:
+        raise api.OptionError(f"--tokens {a.tokens} and --prompt-tokens {a.prompt_tokens}: past the model's "
+                              f"context of {context} tokens")  # fmt: skip
+
+
 def main(a):
+    check_args(a)
     started = provenance.utc_now()
-    out = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench}[a.which](a)
+    benches = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench, "serve": serve}
+    out = benches[a.which](a)
     if a.record:
         cfg = {k: v for k, v in vars(a).items() if k not in ("fn", "record")}
         path = rawlog.write_run(

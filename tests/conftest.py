@@ -1,7 +1,13 @@
 """Shared by the suite: the embedded models it runs, the mlx-lm reference it compares with, and
 helpers to decode through the engine. GPU-only and CPU-only tests carry `gpu_only`/`cpu_only`."""
 
+import atexit
+import functools
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +31,42 @@ cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU-only: checks what the CPU back
 needs_git = pytest.mark.skipif(
     not (ROOT / ".git").exists(), reason="needs the repository's git history; this copy of the tree has no .git"
 )
+
+
+# What a test's workflow may not see: what runs of the workflow (the main job, a smoke run) and
+# the suite itself leave in the checkout.
+STATE = {"results", "resources", "figures", ".snakemake", ".git", ".venv", ".pytest_cache"}
+
+
+@functools.cache
+def workflow_dir() -> Path:
+    """A checkout of its own for the tests that plan the workflow: the code linked from this one,
+    and only the committed records and figures (copied), so that what they plan is the same in a
+    clean clone and in one where `snakemake all` has just run. Removed when the suite ends."""
+    view = Path(tempfile.mkdtemp(prefix="titan-workflow-"))
+    atexit.register(shutil.rmtree, view, True)
+    for entry in ROOT.iterdir():
+        if entry.name not in STATE and not entry.name.startswith(".gpu") and not entry.name.endswith(".egg-info"):
+            (view / entry.name).symlink_to(entry)
+    try:
+        tracked = subprocess.run(["git", "ls-files", "-z", "results", "figures"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout.decode().split("\0")  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without git: take its records
+        tracked = [str(p.relative_to(ROOT)) for d in ("results/raw", "figures") for p in (ROOT / d).rglob("*")]
+    for name in filter(None, tracked):
+        src, dst = ROOT / name, view / name
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    return view
+
+
+def snakemake(*args, env=None, timeout=300):
+    """`snakemake ARGS` in `workflow_dir()` (without TITAN_RUN unless `env` gives it)."""
+    env = dict(os.environ, **(env or {}))
+    env.pop("TITAN_RUN", None) if env.get("TITAN_RUN") is None else None
+    return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workflow_dir(), capture_output=True,
+                          text=True, timeout=timeout, env=env)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,7 @@ def test_harness_bad_options_are_named(args, named):
 def test_slots_below_top_k_are_refused():
     r = run("decode", "--model", "olmoe-tiny", "--slots", "4", "--tokens", "2")
     assert r.returncode == 2
-    assert "slots (4) < top_k (8)" in r.stderr
+    assert "--slots 4: below the model's top_k (8)" in r.stderr
 
 
 def test_unknown_model():

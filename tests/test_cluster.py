@@ -4,10 +4,9 @@ inventory, and the SLURM profile's dry run (no scheduler exists here)."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, needs_git
+from conftest import ROOT, needs_git, snakemake
 
 from harness import inventory, provenance, rawlog
 
@@ -128,13 +127,7 @@ def test_every_raw_records_host_resolves_in_the_committed_inventory():
 
 def test_slurm_profile_dry_run():
     pytest.importorskip("snakemake_executor_plugin_slurm", reason="needs Snakemake's SLURM executor plugin")
-    r = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--profile", "profiles/slurm", "all"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = snakemake("-n", "--profile", "profiles/slurm", "all")
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "profiles/slurm" in out

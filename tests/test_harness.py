@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import pytest
 import yaml
-from conftest import ROOT, job_stats
+from conftest import ROOT, job_stats, snakemake
 
 from harness import provenance, rawlog
 
@@ -136,12 +136,6 @@ def test_tables_are_byte_identical_from_the_same_logs(tmp_path):
     assert table[1].endswith(",2")  # seen in both runs
 
 
-def snakemake(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_bad_config_fails_before_any_job_naming_the_field(tmp_path):
 
     cfg = yaml.safe_load((ROOT / "workflow/config/default.yaml").read_text())
@@ -151,6 +145,27 @@ def test_bad_config_fails_before_any_job_naming_the_field(tmp_path):
     r = snakemake("-n", "all", "--configfile", str(bad))
     assert r.returncode != 0
     assert "ssd" in (r.stdout + r.stderr) and "tiers" in (r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize(
+    "section,key,value,says",
+    [
+        ("design", "slots", [8, 999], "design.slots: 999 is outside 8..64"),
+        ("design", "top_k", 99, "design.top_k: 99 is outside 1..64"),
+        ("prefetch_online", "slots", [4], "prefetch_online.slots: 4 is outside 8..64"),
+        ("prefetch_online", "depths", [1, 9], "prefetch_online.depths: 9 is outside 1..4"),
+        ("prefetch_online", "predict_size", 65, "prefetch_online.predict_size: 65 is outside 1..64"),
+    ],
+)
+def test_values_a_model_cannot_take_fail_at_planning_naming_the_key(tmp_path, section, key, value, says):
+    """The schema allows them; the models do not (every model of the default profile has 64 experts,
+    top-8 and 4 layers): refused before any job, by key."""
+    cfg = yaml.safe_load((ROOT / "workflow/config/default.yaml").read_text())
+    cfg[section][key] = value
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    r = snakemake("-n", "all", "--configfile", str(bad))
+    assert r.returncode != 0 and says in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_paper_profile_refuses_without_weights():

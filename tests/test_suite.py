@@ -184,3 +184,36 @@ def test_the_run_agreement_sentence_names_a_reversal_and_only_it(tmp_path):
         "(yes -> no)."
     )
     assert docblocks.run_agreement(tmp_path / "nothing") == "No two full runs of `all` on one machine are recorded yet."
+
+
+def bench_rows(rows):
+    cols = ["device", "chip", "host", "bench", "model", "tier", "slots", "prompt_set", "tokens", "figure", "value"]
+    return pd.DataFrame([dict(zip(cols, r)) for r in rows], columns=cols)
+
+
+def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much_one_was_missed():
+    rows = []
+    for s, dev, pin in ((16, 0.68, 0.22), (32, 0.66, 0.28)):
+        k = f"S={s}/device@mlx-lm"
+        figs = {f"x resident[{k}]": dev, f"tok_s[{k}]": 118.0, f"tok_s_min[{k}]": 115.0, f"tok_s_max[{k}]": 183.0,
+                f"x resident[S={s}/pinned@mlx-lm]": pin}  # fmt: skip
+        rows += [("gpu", "H200", "h", "throughput", "olmoe-1b-7b-shape", None, None, None, 32, f, v)
+                 for f, v in figs.items()]  # fmt: skip
+    text = docblocks.device_install(bench_rows(rows))
+    assert "S = 16 at 0.68× of resident (118 tok/s [115, 183]; target 0.6: met; `pinned` 0.22×)" in text
+    assert "S = 32 at 0.66× of resident" in text and "target 0.75: missed by 0.09" in text
+    assert "S = 8" not in text  # not measured: not said
+    assert "no throughput record" in docblocks.device_install(bench_rows([]))
+
+
+def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():
+    base = ("cpu", "EPYC", "h", "serve", "olmoe-tiny-f32", None, 16, None, 16)
+    figs = {"clients": 8, "latency_p50_s[engine S=16]": 1.5, "latency_p99_s[engine S=16]": 2.25,
+            "tok_s[engine S=16]": 40.0, "tok_s_min[engine S=16]": 38.0, "tok_s_max[engine S=16]": 41.0,
+            "peak_rss_bytes[engine S=16]": 120e6, "latency_p50_s[mlx_lm.server]": 0.5,
+            "latency_p99_s[mlx_lm.server]": 0.75, "tok_s[mlx_lm.server]": 90.0, "tok_s_min[mlx_lm.server]": 80.0,
+            "tok_s_max[mlx_lm.server]": 95.0}  # fmt: skip
+    text = docblocks.serve_bench(bench_rows([(*base, k, v) for k, v in figs.items()]))
+    assert text.startswith("On EPYC (cpu), `olmoe-tiny-f32`, 8 clients at once: ")
+    assert "engine S=16: latency p50 1.50 s, p99 2.25 s, 40.0 tok/s [38.0, 41.0], peak RSS 120 MB" in text
+    assert "mlx_lm.server: latency p50 0.50 s, p99 0.75 s, 90.0 tok/s [80.0, 95.0]." in text

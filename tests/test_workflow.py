@@ -3,20 +3,10 @@ and bad configuration is refused by name. Dry runs only (the smoke run itself is
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import ROOT, job_stats
-
-
-def snakemake(*args, env=None):
-    env = dict(os.environ, **(env or {}))
-    env.pop("TITAN_RUN", None) if env.get("TITAN_RUN") is None else None
-    return subprocess.run(
-        [sys.executable, "-m", "snakemake", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
-    )
+from conftest import ROOT, job_stats, snakemake, workflow_dir
 
 
 def planned_outputs(stdout: str) -> list:
@@ -70,7 +60,7 @@ def test_a_complete_run_says_so_and_only_remakes_its_figures():
     made = []
     try:
         for f in raw:  # stand-ins for a finished run's files
-            path = ROOT / f
+            path = workflow_dir() / f
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("")
             made.append(path)

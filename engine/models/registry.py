@@ -84,8 +84,14 @@ def read_models_file(path) -> dict:
     path = Path(path)
     if not path.exists():
         raise RegistryError(f"{path}: no such models file")
+    if path.is_dir():
+        raise RegistryError(f"{path}: a directory, not a models file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise RegistryError(f"{path}: not a models file (not UTF-8 text: byte {e.start})") from None
+    except OSError as e:
+        raise RegistryError(f"{path}: cannot read the models file: {e.strerror}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "?"
@@ -285,3 +291,23 @@ def shape_of(spec) -> dict:
         return next((cfg[n] for n in names if isinstance(cfg.get(n), int) and not isinstance(cfg.get(n), bool)), None)
 
     return dict(experts=first(EXPERT_NAMES), top_k=first(TOP_K_NAMES), layers=first(LAYER_NAMES))
+
+
+def shape(model_id: str) -> dict:
+    """`shape_of` for any registered model without building it: an embedded model's from its spec,
+    a real one's from its pinned config.json (None where a field is unknown)."""
+    spec = get_spec(model_id)
+    if spec["kind"] == "real":
+        return shape_of({"config": json.loads((real_model_dir(spec) / "config.json").read_text())})
+    return shape_of(spec)
+
+
+def context_of(model_id: str) -> int:
+    """The positions the model was made for: its config's `max_position_embeddings` (a multimodal
+    one's text config's); 4096 where the config does not say. Builds an embedded model if needed."""
+    cfg = json.loads((model_dir(model_id) / "config.json").read_text())
+    for c in (cfg, cfg.get("text_config") or {}):
+        n = c.get("max_position_embeddings")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return 4096

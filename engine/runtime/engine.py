@@ -75,6 +75,9 @@ class Engine:
             )
         if slots > num_experts:
             raise ValueError(f"slots ({slots}) exceeds the number of experts per layer ({num_experts})")
+        depth = getattr(prefetcher, "depth", 0)
+        if depth > len(blocks):
+            raise ValueError(f"--depth {depth}: must lie within 1..{len(blocks)} (the model's MoE layers)")
         self.num_experts, self.top_k, self.slots = num_experts, top_k, slots
         self.store = open_store(spec["id"], model, model_path, config.tier, config.readers, config.verify)
         if self.store.num_layers != len(blocks):

@@ -137,6 +137,43 @@ def check_models():
 check_models()
 
 
+def check_values():
+    """Values the schema allows but a model cannot take, refused at planning time naming the
+    config key (a job would otherwise fail in the middle of a run)."""
+    def within(key, values, low, high, what):
+        for v in values if isinstance(values, list) else [values]:
+            if not low <= v <= high:
+                raise WorkflowError(f"profile {config['profile']}: {key}: {v} is outside {low}..{high} ({what})")
+
+    for section in (config, SMOKE):
+        d = section["design"]
+        within("design.top_k", d["top_k"], 1, d["experts"], "design.experts")
+        within("design.slots", d["slots"], d["top_k"], d["experts"], "design.top_k..design.experts")
+        po = section["prefetch_online"]
+        for m in po["models"]:
+            shape = registry.shape(m)
+            E, K, L = shape["experts"] or 1 << 30, shape["top_k"] or 1, shape["layers"] or 1 << 30
+            o = {**po, **po.get("by_model", {}).get(m, {})}
+            key = f"prefetch_online{'.by_model.' + m if m in po.get('by_model', {}) else ''}"
+            within(f"{key}.slots", o["slots"], K, E, f"{m}'s top_k..experts")
+            within(f"{key}.depths", o["depths"], 1, L, f"{m}'s layers")
+            within(f"{key}.predict_size", o["predict_size"], 1, E, f"{m}'s experts")
+        sync = section["ablations"]["sync"]
+        for m in sync["models"]:
+            shape = registry.shape(m)
+            within("ablations.sync.slots", sync["slots"], shape["top_k"] or 1, shape["experts"] or 1 << 30,
+                   f"{m}'s top_k..experts")
+    if "claims_check" in config:
+        cc = config["claims_check"]["sync"]
+        for m in cc["models"]:
+            shape = registry.shape(m)
+            within("claims_check.sync.slots", cc["slots"], shape["top_k"] or 1, shape["experts"] or 1 << 30,
+                   f"{m}'s top_k..experts")
+
+
+check_values()
+
+
 def model_input(model):
     """A trained model is made by the `train_model` rule; the others are built by the engine."""
     s = spec(model)

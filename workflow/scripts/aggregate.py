@@ -5,6 +5,7 @@ precision. For every configuration and machine the latest run is tabled (`runs` 
 all). A malformed raw line stops everything with its file and line number.
 """
 
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -264,11 +265,13 @@ def throughput_key(rec):
     row. Records from before they named it ran the default of their day (as in online_rows)."""
     installs = rec["result"].get("install") or {}
     default = "copy" if rec["device"] == "gpu" else "inplace"
+    # decoded through mlx-lm's own generate_step (`--loop mlx-lm`): another row than the engine's loop
+    loop = "@mlx-lm" if rec["result"].get("loop") == "mlx-lm" else ""
 
     def key(k):
         if k.startswith("S=") and k != "S=E" and "/" not in k:
-            return f"{k}/{installs.get(k, default)}"
-        return k
+            return f"{k}/{installs.get(k, default)}{loop}"
+        return f"{k}{loop}"
 
     return key
 
@@ -322,6 +325,15 @@ def bench_table(recs):
                 figs[f"stall_ms_per_token[{k}]"] = v["stall_ms_per_token"]
                 if "tok_s_min" in v:
                     figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
+        elif base["bench"] == "serve":
+            base["slots"] = res["slots"]
+            for k, v in res["servers"].items():
+                figs[f"latency_p50_s[{k}]"], figs[f"latency_p99_s[{k}]"] = v["latency_p50_s"], v["latency_p99_s"]
+                figs[f"tok_s[{k}]"] = statistics.median(v["tok_s"])
+                figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = min(v["tok_s"]), max(v["tok_s"])
+                if v["peak_rss_bytes"]:
+                    figs[f"peak_rss_bytes[{k}]"] = v["peak_rss_bytes"]
+            figs["clients"] = res["clients"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
     keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]

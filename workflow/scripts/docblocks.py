@@ -74,6 +74,54 @@ def gpu_exactness(suite: pd.DataFrame) -> str:
     return text
 
 
+# issue 29's targets for the device install on the full-size model (x resident, through generate_step)
+DEVICE_TARGETS = {8: 0.4, 16: 0.6, 32: 0.75}
+
+
+def device_install(bench: pd.DataFrame) -> str:
+    """The README's sentence on the `device` install on a GPU: each S against resident decoding,
+    through mlx-lm's own generate_step, beside the pinned install, from the latest such record."""
+    model = "olmoe-1b-7b-shape"
+    b = bench[(bench["device"] == "gpu") & (bench["bench"] == "throughput") & (bench["model"] == model)]
+    fig = dict(zip(b["figure"], b["value"]))
+    parts = []
+    for s, target in DEVICE_TARGETS.items():
+        dev, pin = fig.get(f"x resident[S={s}/device@mlx-lm]"), fig.get(f"x resident[S={s}/pinned@mlx-lm]")
+        if dev is None:
+            continue
+        lo, hi = fig.get(f"tok_s_min[S={s}/device@mlx-lm]"), fig.get(f"tok_s_max[S={s}/device@mlx-lm]")
+        met = "met" if dev >= target else f"missed by {target - dev:.2f}"
+        parts.append(f"S = {s} at {dev:.2f}× of resident ({fig[f'tok_s[S={s}/device@mlx-lm]']:.0f} tok/s "
+                     f"[{lo:.0f}, {hi:.0f}]; target {target}: {met}; `pinned` {pin:.2f}×)")  # fmt: skip
+    if not parts:
+        return "The `device` install has no throughput record on a GPU yet (`scripts/device_gpu.sh OUT syncfree`)."
+    mem = {s: fig.get(f"memory_bytes[S={s}/device@mlx-lm]") for s in DEVICE_TARGETS}
+    res = fig.get("memory_bytes[S=E@mlx-lm]")
+    text = f"On `{model}` through mlx-lm's own `generate_step`, the `device` install decodes " + "; ".join(parts)
+    if mem.get(16) and res:
+        text += f"; at S = 16 in {mem[16] / res:.2f}× of resident's memory (target 0.35)"
+    return text + " (`scripts/device_gpu.sh OUT syncfree`, records under `results/raw/bench/throughput/`)."
+
+
+def serve_bench(bench: pd.DataFrame) -> str:
+    """docs/serve.md's sentence on the latest `bench serve` of each machine kind."""
+    b = bench[bench["bench"] == "serve"]
+    if not len(b):
+        return "No `bench serve` is recorded yet (`python -m harness bench serve --record`)."
+    out = []
+    for (device, chip, model), g in b.groupby(["device", "chip", "model"], sort=True):
+        fig = dict(zip(g["figure"], g["value"]))
+        names = sorted({f.split("[", 1)[1][:-1] for f in fig if f.startswith("latency_p50_s[")})
+        each = []
+        for n in names:
+            rss = fig.get(f"peak_rss_bytes[{n}]")
+            each.append(f"{n}: latency p50 {fig[f'latency_p50_s[{n}]']:.2f} s, p99 {fig[f'latency_p99_s[{n}]']:.2f} s, "
+                        f"{fig[f'tok_s[{n}]']:.1f} tok/s [{fig[f'tok_s_min[{n}]']:.1f}, {fig[f'tok_s_max[{n}]']:.1f}]"
+                        + (f", peak RSS {rss / 1e6:.0f} MB" if rss else ""))  # fmt: skip
+        out.append(f"On {chip} ({device}), `{model}`, {int(fig['clients'])} clients at once: " + "; ".join(each) + ".")
+    return " ".join(out)
+
+
 def full_runs(raw) -> dict:
     """{run id: (host alias, commit)} of every full run of `all` whose raw files are under `raw`."""
     runs = {}
@@ -124,6 +172,9 @@ def build(tables: dict, root=".", raw=None) -> list:
     """Fill every page's blocks from the published tables (and, for the run agreement, the raw
     logs under `raw`); returns the pages that changed."""
     blocks = {"gpu-exactness": gpu_exactness(tables["suite"])}
+    if "bench" in tables:
+        blocks["device-install"] = device_install(tables["bench"])
+        blocks["serve-bench"] = serve_bench(tables["bench"])
     if raw is not None:
         blocks["run-agreement"] = run_agreement(raw)
     pages = [Path(root) / "README.md", *sorted((Path(root) / "docs").glob("*.md"))]

@@ -1,0 +1,118 @@
+"""Every numeric option of `decode`, `generate`, `serve`, `fit`, `trace` and `harness bench` is
+refused up front when the model cannot take it, naming the option: before anything is built,
+traced, fitted, loaded, served or measured. The commands run here with their actions replaced by
+nothing, so what is checked is exactly what runs before the action."""
+
+import contextlib
+import io
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import harness.__main__ as harness_main
+from engine import cli
+from harness import bench
+
+MODEL = "olmoe-tiny"  # 64 experts, top-8, 4 layers, a context of 4096 positions
+CONTEXT = 4096
+INF = math.inf
+
+# (command line before the option, option, lowest and highest value allowed, integer-valued)
+OPTIONS = [
+    (["decode", "--model", MODEL], "--slots", 8, 64, True),
+    (["decode", "--model", MODEL], "--readers", 1, 256, True),
+    (["decode", "--model", MODEL, "--predictor", "transition"], "--depth", 1, 4, True),
+    (["decode", "--model", MODEL, "--predictor", "transition"], "--predict-size", 1, 64, True),
+    (["decode", "--model", MODEL], "--min-prob", 0, 1, False),
+    (["decode", "--model", MODEL], "--tokens", 0, CONTEXT - 1, True),
+    (["decode", "--model", MODEL], "--context", 1, INF, True),
+    (["generate", "--model", MODEL], "--max-tokens", 1, CONTEXT - 1, True),
+    (["generate", "--model", MODEL], "--temp", 0, INF, False),
+    (["generate", "--model", MODEL], "--top-p", 0, 1, False),
+    (["generate", "--model", MODEL], "--top-k", 0, INF, True),
+    (["generate", "--model", MODEL], "--seed", 0, 2**64 - 1, True),
+    (["serve", "--model", MODEL], "--queue", 1, INF, True),
+    (["serve", "--model", MODEL], "--request-timeout", 1e-9, 1e300, False),
+    (["serve", "--model", MODEL], "--slots", 8, 64, True),
+    (["fit", "--model", MODEL], "--depth", 1, 4, True),
+    (["fit", "--model", MODEL], "--size", 1, 64, True),
+    (["fit", "--model", MODEL], "--tokens", 0, CONTEXT - 1, True),
+    (["trace", "--model", MODEL], "--tokens", 0, CONTEXT - 1, True),
+    (["trace", "--model", MODEL], "--limit", 1, INF, True),
+    (["bench", "throughput", "--model", MODEL], "--slots", 8, 64, True),
+    (["bench", "throughput", "--model", MODEL], "--tokens", 1, CONTEXT - 1, True),
+    (["bench", "throughput", "--model", MODEL], "--repeats", 1, INF, True),
+    (["bench", "prefetch", "--model", MODEL], "--depths", 1, 4, True),
+]
+VALUES = ["0", "-1", "1e20", "99999999999999999999", "abc", "", "nan", "inf", "2.5"]
+
+
+def checked(argv, actions=False) -> tuple[int, str]:
+    """(exit status, stderr) of the command line `argv`, its action replaced by nothing unless
+    `actions`; the environment is left as it was (`--models` sets TITAN_MODELS)."""
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        mp.delenv("TITAN_MODELS", raising=False)
+        for name in dir(cli) if not actions else ():
+            if name.startswith("cmd_"):
+                mp.setattr(cli, name, lambda *a: None)
+        for name in ("throughput", "miss", "install", "prefetch_bench") if not actions else ():
+            mp.setattr(bench, name, lambda a: {})
+        try:
+            (harness_main.main if argv[0] == "bench" else cli.main)(argv)
+        except SystemExit as e:
+            return e.code or 0, err.getvalue()
+    return 0, err.getvalue()
+
+
+def allowed(value: str, low, high, integer: bool) -> bool:
+    try:
+        x = int(value) if integer else float(value)
+    except ValueError:
+        return False
+    return low <= x <= high
+
+
+@pytest.mark.parametrize("head,option,low,high,integer", OPTIONS, ids=[f"{h[0]}{o}" for h, o, *_ in OPTIONS])
+def test_every_value_is_taken_or_refused_naming_the_option(head, option, low, high, integer):
+    edges = [str(v) for v in (low - 1, low, high, high + 1) if v not in (INF, -INF)]
+    for value in VALUES + edges:
+        status, err = checked([*head, option, value])
+        if allowed(value, low, high, integer):
+            assert status == 0, (option, value, err)
+        else:
+            assert status == 2 and option in err, (option, value, err)
+        assert "Traceback" not in err
+
+
+@settings(max_examples=40, deadline=None)
+@given(slots=st.integers(-(10**30), 10**30), depth=st.integers(-(10**30), 10**30))
+def test_slots_and_depth_are_taken_exactly_within_their_ranges(slots, depth):
+    status, err = checked(["decode", "--model", MODEL, "--slots", str(slots), "--depth", str(depth)])
+    ok = 8 <= slots <= 64 and 1 <= depth <= 4
+    assert (status == 0) == ok, err
+    if not ok:
+        assert ("--slots" in err) or ("--depth" in err)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(-(10**30), 10**30), prob=st.floats(allow_nan=True, allow_infinity=True))
+def test_tokens_and_probabilities_are_taken_exactly_within_their_ranges(tokens, prob):
+    status, err = checked(["generate", "--model", MODEL, "--max-tokens", str(tokens), "--top-p", repr(prob)])
+    ok = 1 <= tokens <= CONTEXT - 1 and 0 <= prob <= 1
+    assert (status == 0) == ok, err
+
+
+def test_the_files_an_option_names_are_refused_by_name(tmp_path):
+    binary = tmp_path / "binary"
+    binary.write_bytes(bytes(range(256)))
+    for argv, says in [
+        (["--models", str(tmp_path), "list"], f"--models: {tmp_path}: a directory, not a models file"),
+        (["--models", str(binary), "list"], f"{binary}: not a models file (not UTF-8 text"),
+        (["generate", "--model", MODEL, "--prompt-file", str(binary)], f"--prompt-file: {binary}: not UTF-8 text"),
+        (["generate", "--model", MODEL, "--prompt-file", str(tmp_path)], f"--prompt-file: {tmp_path}: Is a directory"),
+    ]:
+        status, err = checked(argv, actions=True)
+        assert status == 2 and says in err, err
