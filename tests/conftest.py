@@ -27,6 +27,9 @@ MODELS = {"olmoe-tiny": dict(experts=64, top_k=8), "qwen3moe-tiny": dict(experts
 ON_GPU = device.kind() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU-only: needs MLX computing on a GPU")
 cpu_only = pytest.mark.skipif(ON_GPU, reason="CPU-only: checks what the CPU backend does")
+# Algorithm 1's host path on this backend (`auto` is the device install on a CUDA GPU): for the
+# tests of its own parts (slot tables, the host prefetcher).
+HOST_INSTALL = "pinned" if ON_GPU else "inplace"
 # A copy of the tree without its history (the GPU machine's) cannot run what needs git.
 needs_git = pytest.mark.skipif(
     not (ROOT / ".git").exists(), reason="needs the repository's git history; this copy of the tree has no .git"

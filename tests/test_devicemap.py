@@ -10,6 +10,7 @@ import pytest
 from conftest import MODELS, gpu_only, run_engine, run_with
 
 from engine import EngineConfig, device, load, max_abs_diff
+from engine.models import registry
 from engine.models.registry import load_reference
 from engine.runtime import devicemap, hosttier, moe
 from engine.runtime.devicemap import MapState, map_step_ops
@@ -158,6 +159,13 @@ def test_device_install_logits_bit_identical(reference, model_id, slots):
         assert counters["misses"] > 0 and counters["hits"] > 0
         dec = [r for r in records if r["phase"] == "decode"]
         assert sum(r["misses"] for r in dec) > 0  # the decode loop's per-step figures come from the device
+        # a slot once filled stays filled: every fill past a layer's first S evicted an expert; at
+        # S = top_k every layer fills all its slots in the prefill already
+        assert 0 < counters["evictions"] <= counters["misses"]
+        if slots == MODELS[model_id]["top_k"]:
+            assert counters["evictions"] == counters["misses"] - slots * registry.shape(model_id)["layers"]
+    else:
+        assert counters["evictions"] == 0 and counters["misses"] == 0
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,12 @@ every slot count, on both embedded architectures (float16 OLMoE, bfloat16 Qwen3-
 
 import numpy as np
 import pytest
-from conftest import MODELS, run_engine
+from conftest import HOST_INSTALL, MODELS, run_engine
 
 from engine import EngineConfig, decode, device, load, max_abs_diff
 from engine.models import registry
 from engine.predict import trace
-from engine.runtime import moe
+from engine.runtime import devicemap, moe
 from engine.runtime.moe import ExpertCache
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
@@ -70,7 +70,7 @@ def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(
     ref = reference("qwen3moe-tiny")
     model, _, _ = registry.load_reference("qwen3moe-tiny")
     routed = trace.record(model, ref["ids"], 0)["experts"]  # (prompt rows, layers, K)
-    eng = load("qwen3moe-tiny", EngineConfig(slots=slots))
+    eng = load("qwen3moe-tiny", EngineConfig(slots=slots, install=HOST_INSTALL))  # reads the slot tables' state
     try:
         _, records, logits = decode(eng.model, ref["ids"], 0, keep_logits=True)
         for layer, table in enumerate(eng.tables):
@@ -89,19 +89,25 @@ def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(
     assert max_abs_diff(ref["logits"][:1], logits) == 0.0
 
 
-def test_which_pairs_go_to_which_call(reference, arrangement, monkeypatch):
-    """The arrangement itself: every (row, choice) pair of a layer is computed by exactly one call,
-    the call of the batch that holds its expert; compact calls take just those pairs, as rows of
-    their own; the others take mlx-lm's own shapes (the MoE block's input and the router's
-    indices), so that a backend whose kernel depends on the call's size computes what mlx-lm does."""
+@pytest.mark.parametrize("install", [HOST_INSTALL, "device"])
+def test_which_pairs_go_to_which_call(reference, arrangement, monkeypatch, install):
+    """The arrangement itself, on Algorithm 1's path and the device install's: every (row, choice)
+    pair of a layer is computed by exactly one call, the call of the batch that holds its expert;
+    compact calls take just those pairs, as rows of their own; the others take mlx-lm's own shapes
+    (the MoE block's input and the router's indices), so that a backend whose kernel depends on the
+    call's size computes what mlx-lm does."""
     ref = reference("qwen3moe-tiny")
     rows, K = len(ref["ids"]), 8
     calls, shapes = [], []
     planned = moe.prefill_calls
-    monkeypatch.setattr(
-        moe, "prefill_calls", lambda idx, *a: calls.append((idx.reshape(-1), planned(idx, *a))) or calls[-1][1]
-    )
-    eng = load("qwen3moe-tiny", EngineConfig(slots=8))
+
+    def spy(idx, *a):
+        calls.append((idx.reshape(-1), planned(idx, *a)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(moe, "prefill_calls", spy)
+    monkeypatch.setattr(devicemap, "prefill_calls", spy)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=8, install=install))
     try:
         for m in moe.engine_layers(eng.model):
             inner = m.glu

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import MODELS, ON_GPU, run_with
+from conftest import HOST_INSTALL, MODELS, ON_GPU, run_with
 
 from engine import EngineConfig, load, max_abs_diff
 from engine.models import registry
@@ -83,7 +83,7 @@ def test_the_probe_scores_each_token_on_the_device_with_the_routers_indices(refe
                 handed.append(scores)
             super().predict_and_issue(layer, experts, scores, cache)
 
-    eng = load("qwen3moe-tiny", EngineConfig(slots=32), prefetcher=Spy(pred, 1))
+    eng = load("qwen3moe-tiny", EngineConfig(slots=32, install=HOST_INSTALL), prefetcher=Spy(pred, 1))
     layers = len(eng.tables)
     try:
         tokens, _, _ = decode(eng.model, ref["ids"], 6)
@@ -377,7 +377,7 @@ def test_shutdown_with_reads_in_flight_does_not_hang(fit_traces):
     tr = fit_traces("qwen3moe-tiny")
     eng = load(
         "qwen3moe-tiny",
-        EngineConfig(slots=32, readers=1),
+        EngineConfig(slots=32, readers=1, install=HOST_INSTALL),  # the host prefetcher's reads
         prefetcher=Prefetcher(predictors.make("popularity", 1, 16).fit(tr), 1),
     )
     cache = eng.cache

@@ -127,15 +127,16 @@ def test_a_pages_generated_block_is_rewritten_and_nothing_else(tmp_path):
     page = tmp_path / "README.md"
     page.write_text("# T\nhand text\n<!-- generated:gpu-exactness -->\nold\n<!-- /generated:gpu-exactness -->\nmore\n")
     suite_df = pd.DataFrame(
-        [dict(device="gpu", chip="NVIDIA H200", engine_tree="abc", commit="def", passed=400, failed=1, errors=0,
-              skipped=3, failures="tests/test_e.py::test_x[8]", run_id="r1")]
+        [dict(device="gpu", chip="NVIDIA H200", engine_tree="abc", commit="def", scope="14 test files", passed=400,
+              failed=1, errors=0, skipped=3, failures="tests/test_e.py::test_x[8]", run_id="r1")]
     )  # fmt: skip
     assert docblocks.build({"suite": suite_df}, tmp_path) == [page]
     text = page.read_text()
     assert text.startswith(
         "# T\nhand text\n<!-- generated:gpu-exactness -->\nThe suite's latest run on a GPU (NVIDIA H200"
     )
-    assert "400 passed, 1 failed, 3 skipped. Failed: `test_x[8]`." in text and text.endswith("-->\nmore\n")
+    said = "commit `def`, 14 test files, [record](results/raw/tests/suite/r1.jsonl)): 400 passed, 1 failed, 3 skipped."
+    assert said + " Failed: `test_x[8]`." in text and text.endswith("-->\nmore\n")
     assert docblocks.build({"suite": suite_df}, tmp_path) == []  # the same records: the same bytes
     none = docblocks.gpu_exactness(suite_df.iloc[:0])
     assert none.startswith("No run of the test suite on a CUDA GPU is recorded yet")

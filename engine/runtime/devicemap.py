@@ -468,17 +468,20 @@ class DeviceCache:
         self.position, self.rows = position, rows
 
     def totals(self) -> dict:
-        """Every counter over every layer, and the bytes read (demand and prefetch), from the
-        device counters (a read back: ask after a token's evaluation, not inside it)."""
-        counts = np.array(mx.stack([s.counters for s in self.states])).sum(axis=0)
-        out = dict(zip(COUNTERS, (int(c) for c in counts)))
+        """Every counter over every layer, the bytes read (demand and prefetch) and the evictions,
+        from the device counters (a read back: ask after a token's evaluation, not inside it).
+        A slot is never emptied once filled, so each layer's fills past its first S evicted one."""
+        per_layer = np.array(mx.stack([s.counters for s in self.states])).astype(np.int64)
+        out = dict(zip(COUNTERS, (int(c) for c in per_layer.sum(axis=0))))
         out["bytes_read"] = (out["misses"] + out["issued"]) * self.store.expert_bytes
+        fills = per_layer[:, COUNTERS.index("misses")] + per_layer[:, COUNTERS.index("issued")]
+        out["evictions"] = int(np.maximum(fills - np.array(self.slots), 0).sum())
         return out
 
     def counters(self) -> dict:
         t = self.totals()
         return dict(
-            hits=t["hits"], misses=t["misses"], evictions=None, bytes_read=t["bytes_read"],
+            hits=t["hits"], misses=t["misses"], evictions=t["evictions"], bytes_read=t["bytes_read"],
             issued=t["issued"], useful=t["useful"], wasted=t["wasted"],
         )  # fmt: skip
 
@@ -532,6 +535,7 @@ class DeviceSwitchGLU(OffloadedSwitch):
         d = x.shape[-1]
         parts, out = [], None
         calls = prefill_calls(flat, S, device.rows_alike())
+        cache.stats.chunks += len(calls) - 1  # as moe.ExpertCache counts them
         for call in calls:
             masked = np.full(pairs.size, -1, np.int32)
             masked[call.pairs] = pairs[call.pairs]

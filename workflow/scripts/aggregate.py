@@ -651,14 +651,16 @@ def write(df: pd.DataFrame, out_csv: Path, out_md: Path):
 def suite_table(recs):
     """Every recorded run of the test suite (python -m harness suite): where it ran, on which
     engine/ tree, and what it found."""
-    cols = MACHINE + ["engine_tree", "commit", "dirty", "passed", "failed", "errors", "skipped", "xfailed"]
+    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "passed", "failed", "errors", "skipped", "xfailed"]
     cols += ["seconds", "failures", "started_utc", "run_id"]
     rows = []
     for r in recs:
         res = r["result"]
+        args = [a for a in (r.get("config") or {}).get("pytest_args", ["tests"]) if not a.startswith("-")]
         rows.append(
             dict(
                 **machine_cols(r),
+                scope="the whole suite" if args in (["tests"], ["tests/"]) else f"{len(args)} test files",
                 engine_tree=res["engine_tree"][:12],
                 commit=(r["commit"] or "")[:12],
                 dirty=r["dirty"],

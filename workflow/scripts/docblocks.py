@@ -64,7 +64,7 @@ def gpu_exactness(suite: pd.DataFrame) -> str:
     verdict = "no failure" if not (r["failed"] or r["errors"]) else f"{r['failed'] + r['errors']} failed"
     text = (
         f"The suite's latest run on a GPU ({r['chip']}, `engine/` tree `{r['engine_tree']}` at commit "
-        f"`{r['commit']}`, [record](results/raw/tests/suite/{r['run_id']}.jsonl)): {r['passed']} passed, "
+        f"`{r['commit']}`, {r['scope']}, [record](results/raw/tests/suite/{r['run_id']}.jsonl)): {r['passed']} passed, "
         f"{verdict}, {r['skipped']} skipped."
     )
     if r["failures"]:
