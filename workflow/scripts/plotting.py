@@ -469,7 +469,8 @@ def prediction_pays(figdir):
     left tok/s with its spread, right where a token's time goes."""
     df = _read(figdir, "prefetch_online")
     if not df.empty:
-        df = df[(df["tier"] == "page_cache") & df["model"].map(_trained)]
+        trained = {m: _trained(m) for m in df["model"].unique()}  # the registry read once a model, not once a row
+        df = df[(df["tier"] == "page_cache") & df["model"].map(trained)]
     if df.empty:
         return _empty(figdir, "prediction_pays", "gate C results on a trained model")
     df = df.assign(machine=_machine(df))
