@@ -6,6 +6,7 @@ nothing, so what is checked is exactly what runs before the action."""
 import contextlib
 import io
 import math
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -54,7 +55,8 @@ def checked(argv, actions=False) -> tuple[int, str]:
     `actions`; the environment is left as it was (`--models` sets TITAN_MODELS)."""
     err = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        mp.delenv("TITAN_MODELS", raising=False)
+        mp.setenv("TITAN_MODELS", "")  # recorded as it was (absent, mostly), so restored so, whatever main sets
+        mp.delenv("TITAN_MODELS")
         for name in dir(cli) if not actions else ():
             if name.startswith("cmd_"):
                 mp.setattr(cli, name, lambda *a: None)
@@ -103,6 +105,15 @@ def test_tokens_and_probabilities_are_taken_exactly_within_their_ranges(tokens, 
     status, err = checked(["generate", "--model", MODEL, "--max-tokens", str(tokens), "--top-p", repr(prob)])
     ok = 1 <= tokens <= CONTEXT - 1 and 0 <= prob <= 1
     assert (status == 0) == ok, err
+
+
+def test_a_models_option_leaves_the_environment_as_it_was(tmp_path):
+    before = os.environ.get("TITAN_MODELS")
+    models = tmp_path / "models.yaml"
+    models.write_text("models: {}\n")
+    status, err = checked(["--models", str(models), "list"], actions=True)  # main sets TITAN_MODELS, then reads it
+    assert status == 2 and f"{models}: field models" in err
+    assert os.environ.get("TITAN_MODELS") == before
 
 
 def test_the_files_an_option_names_are_refused_by_name(tmp_path):
