@@ -153,11 +153,15 @@ def check_values():
         for m in po["models"]:
             shape = registry.shape(m)
             E, K, L = shape["experts"] or 1 << 30, shape["top_k"] or 1, shape["layers"] or 1 << 30
-            o = {**po, **po.get("by_model", {}).get(m, {})}
-            key = f"prefetch_online{'.by_model.' + m if m in po.get('by_model', {}) else ''}"
-            within(f"{key}.slots", o["slots"], K, E, f"{m}'s top_k..experts")
-            within(f"{key}.depths", o["depths"], 1, L, f"{m}'s layers")
-            within(f"{key}.predict_size", o["predict_size"], 1, E, f"{m}'s experts")
+            own = po.get("by_model", {}).get(m, {})
+
+            def at(field):  # the value a model's sweep takes, and the key that set it
+                return (f"prefetch_online.by_model.{m}.{field}", own[field]) if field in own else (
+                    f"prefetch_online.{field}", po[field])
+
+            within(*at("slots"), K, E, f"{m}'s top_k..experts")
+            within(*at("depths"), 1, L, f"{m}'s layers")
+            within(*at("predict_size"), 1, E, f"{m}'s experts")
         sync = section["ablations"]["sync"]
         for m in sync["models"]:
             shape = registry.shape(m)
