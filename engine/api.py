@@ -30,6 +30,14 @@ def check_prediction(shape: dict, depth: int, size: int | None, what="--predict-
         raise OptionError(f"{what} {size}: must lie within 1..{E or 'experts'} (the model's experts)")
 
 
+def check_context(model_id: str, prompt: int, tokens: int, option: str):
+    """`tokens` generated after a prompt of `prompt` tokens stay within the model's context."""
+    context = registry.context_of(model_id)
+    if prompt + tokens > context:
+        raise OptionError(f"{option} {tokens}: with the prompt's {prompt} tokens, past the model's context of "
+                          f"{context} tokens (at most {max(context - prompt, 0)})")  # fmt: skip
+
+
 def check(model_id: str, config: EngineConfig) -> None:
     """Refuse an option the model cannot take before anything is built, traced, fitted or loaded,
     naming the option and its allowed range. (The engine checks again against the loaded model,

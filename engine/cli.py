@@ -36,10 +36,7 @@ def non_negative(value: str) -> int:
 
 
 def probability(value: str) -> float:
-    try:
-        q = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    q = _float(value)
     if not 0.0 <= q <= 1.0:
         raise argparse.ArgumentTypeError(f"must lie in [0, 1], not {q}")
     return q
@@ -63,13 +60,17 @@ def seed(value: str) -> int:
 
 
 def seconds(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    x = _float(value)
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {value}")
     return x
+
+
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
 
 
 def _int(value: str) -> int:
@@ -172,10 +173,7 @@ def add_generation_args(p):
 
 
 def non_negative_float(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    x = _float(value)
     if not x >= 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
     return x
@@ -258,7 +256,7 @@ def cmd_decode(a):
         ids = tok.encode(a.prompt)
         if not ids:
             raise ValueError("--prompt: the prompt encodes to no token; give some text")
-        within_context(a.model, len(ids), a.tokens, "--tokens")
+        api.check_context(a.model, len(ids), a.tokens, "--tokens")
         if a.predictor == "oracle":
             # The oracle reads this very run: record it first with plain mlx-lm (same tokens).
             eng.bind_oracle(trace.record(registry.load_reference(a.model)[0], ids, a.tokens)["experts"])
@@ -295,13 +293,6 @@ def cmd_decode(a):
         print("counters: " + " ".join(f"{k}={v}" for k, v in eng.counters().items()))
     finally:
         eng.close()
-
-
-def within_context(model_id: str, prompt: int, tokens: int, option: str):
-    context = registry.context_of(model_id)
-    if prompt + tokens > context:
-        raise ValueError(f"{option} {tokens}: with the prompt's {prompt} tokens, past the model's context of "
-                         f"{context} tokens (at most {max(context - prompt, 0)})")  # fmt: skip
 
 
 def read_prompt(a) -> str:
@@ -352,7 +343,7 @@ def check_args(a):
         api.check_prediction(shape, a.depth, a.size, "--size")
     for option in ("tokens", "max_tokens"):
         if getattr(a, option, None) is not None:
-            within_context(a.model, 1, getattr(a, option), "--" + option.replace("_", "-"))
+            api.check_context(a.model, 1, getattr(a, option), "--" + option.replace("_", "-"))
 
 
 def cmd_serve(a, rest):

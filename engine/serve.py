@@ -100,25 +100,6 @@ def client_gone(conn: socket.socket) -> bool:
         return True
 
 
-class Admission:
-    """How many requests are in the server (waiting or generating): a request past `limit` is
-    turned away rather than queued without end."""
-
-    def __init__(self, limit: int):
-        self.limit, self.inside, self.lock = limit, 0, threading.Lock()
-
-    def enter(self) -> bool:
-        with self.lock:
-            if self.inside >= self.limit:
-                return False
-            self.inside += 1
-            return True
-
-    def leave(self):
-        with self.lock:
-            self.inside -= 1
-
-
 class _Guarded:
     """The response generator as one request's handler sees it: its tokens stop when the client
     goes away (ClientGone), at the deadline or at the model's context (the last token then says
@@ -172,7 +153,7 @@ def _message_error(messages) -> str | None:
 class EngineAPIHandler(mlx_server.APIHandler):
     """mlx-lm's request handler with the checks and limits of the module docstring."""
 
-    def __init__(self, response_generator, model_id: str, limits: ServeLimits, admission: Admission, *args, **kw):
+    def __init__(self, response_generator, model_id: str, limits: ServeLimits, admission, *args, **kw):
         self.model_id, self.limits, self.admission = model_id, limits, admission
         super().__init__(response_generator, *args, **kw)
 
@@ -206,10 +187,10 @@ class EngineAPIHandler(mlx_server.APIHandler):
         if self.max_tokens > self.limits.context:
             return self._error(400, f"max_tokens {self.max_tokens} exceeds the model's context of "
                                     f"{self.limits.context} tokens")  # fmt: skip
-        if not self.admission.enter():
+        if not self.admission.acquire(blocking=False):  # at most --queue requests inside; never wait here
             return self._error(
                 503,
-                f"{self.admission.limit} requests are already in the server (--queue); retry later",
+                f"{self.limits.queue} requests are already in the server (--queue); retry later",
                 [("Retry-After", str(self.limits.retry_after))],
             )
         real = self.response_generator
@@ -221,7 +202,7 @@ class EngineAPIHandler(mlx_server.APIHandler):
             self.close_connection = True
         finally:
             self.response_generator = real
-            self.admission.leave()
+            self.admission.release()
 
     def handle_models_request(self):
         entry = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "titan"}
@@ -244,7 +225,7 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
     if provider.load_error is not None:
         generator.stop_and_join()
         raise provider.load_error
-    admission = Admission(limits.queue)
+    admission = threading.BoundedSemaphore(limits.queue)
 
     def handler(*args, **kw):
         return EngineAPIHandler(generator, model_id, limits, admission, *args,

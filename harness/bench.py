@@ -665,10 +665,7 @@ def check_args(a):
         api.check_prediction(shape, d, None, depth_option="--depths")
     if a.which not in ("throughput", "prefetch", "serve"):
         return
-    context = registry.context_of(model)
-    if a.tokens + (a.prompt_tokens or 1) > context:
-        raise api.OptionError(f"--tokens {a.tokens} and --prompt-tokens {a.prompt_tokens}: past the model's "
-                              f"context of {context} tokens")  # fmt: skip
+    api.check_context(model, a.prompt_tokens or 1, a.tokens, "--tokens")
 
 
 def main(a):

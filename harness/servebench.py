@@ -31,20 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command, log: Path) -> tuple[subprocess.Popen, str]:
+def start(command, log: Path, timeout: float = 600, cwd=None) -> tuple[subprocess.Popen, str]:
+    """A server `command` on a free loopback port (its `--port`), its output into `log`; returns
+    (process, base URL) once it listens."""
     port = free_port()
-    proc = subprocess.Popen([*command, "--port", str(port)], stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
+    proc = subprocess.Popen([*command, "--port", str(port)], cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}/v1/completions"
+            return proc, f"http://127.0.0.1:{port}"
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(command)} ended: {log.read_text()[-2000:]}") from None
+                raise RuntimeError(f"{' '.join(command)} ended: {Path(log).read_text()[-2000:]}") from None
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"{' '.join(command)} did not listen within 600 s")
+    raise RuntimeError(f"{' '.join(command)} did not listen within {timeout:g} s")
 
 
 def peak_rss(pid: int) -> int | None:
@@ -92,7 +94,8 @@ def run(a, model_id: str, slots: int | None, workdir: Path) -> dict:
     procs, rounds = {}, {name: [] for name in servers}
     try:
         for name, cmd in servers.items():
-            procs[name] = start(cmd, workdir / f"{name.replace(' ', '_').replace('=', '')}.log")
+            proc, base = start(cmd, workdir / f"{name.replace(' ', '_').replace('=', '')}.log")
+            procs[name] = proc, base + "/v1/completions"
             ask(procs[name][1], "warm up", 2)  # the first request compiles and fills caches
         names = list(servers)
         for rep in range(a.repeats):

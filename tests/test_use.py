@@ -16,6 +16,7 @@ from engine import generate as generation
 from engine import load
 from engine.memory import parse_size, plan
 from engine.models.registry import load_reference
+from harness import servebench
 
 MODEL = "qwen3moe-tiny"
 
@@ -137,21 +138,8 @@ def test_a_budget_too_small_is_refused_naming_what_it_needs():
 # -- the server ------------------------------------------------------------------------------------
 def start_server(log_path, *options):
     """`python -m engine serve` on a free loopback port; returns (process, base url) once it listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(log_path, "w")
-    command = [sys.executable, "-m", "engine", "serve", "--model", MODEL, "--slots", "16", "--port", str(port)]
-    proc = subprocess.Popen([*command, *options], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            assert proc.poll() is None, open(log_path).read()
-            time.sleep(0.5)
-    raise AssertionError(f"the server did not listen within 180 s: {open(log_path).read()}")
+    command = [sys.executable, "-m", "engine", "serve", "--model", MODEL, "--slots", "16", *options]
+    return servebench.start(command, log_path, timeout=180, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
