@@ -14,12 +14,11 @@ import os
 # Titan never downloads: models are pinned and cached, or built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-__version__ = "0.2.0"
-
 from .api import load  # noqa: E402
 from .config import EngineConfig, resources_dir  # noqa: E402
 from .runtime.engine import Engine  # noqa: E402
 from .runtime.loop import decode, max_abs_diff, summarize, time_split  # noqa: E402
+from .versions import __version__  # noqa: E402
 
 __all__ = [
     "Engine",

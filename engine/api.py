@@ -6,10 +6,10 @@ import sys
 from . import device, memory
 from .config import EngineConfig
 from .models import registry
-from .predict import fitting
-from .runtime import prefetch, store
+from .models.anatomy import moe_blocks, top_k_of
+from .runtime import prefetch
 from .runtime.engine import Engine
-from .runtime.store import top_k_of
+from .tracing import fitting
 
 
 class OptionError(ValueError):
@@ -71,13 +71,13 @@ def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **o
     if config.memory is not None:
         if config.slots is not None:
             raise ValueError("give either slots or a memory budget, not both")
-        top_k = top_k_of(model, store.moe_blocks(model)[0]) or 1
+        top_k = top_k_of(model, moe_blocks(model)[0]) or 1
         plan = memory.plan(model, config.memory, top_k, config.context, device.resolve_install(config.install),
                            config.readers, config.staging_records)  # fmt: skip
         print(f"[titan] {plan.describe()}", file=sys.stderr, flush=True)
         config = dataclasses.replace(config, slots=plan.slots)
     if prefetcher is None and config.predictor != "none":
-        top_k = top_k_of(model, store.moe_blocks(model)[0]) or 8
+        top_k = top_k_of(model, moe_blocks(model)[0]) or 8
         pred = fitting.get_predictor(
             model_id,
             config.predictor,

@@ -14,11 +14,13 @@ from .config import EngineConfig, build_lock, resources_dir
 from .device import kind as device_kind
 from .memory import fmt, parse_size
 from .models import embedded, registry, train
-from .predict import fitting, predictors, prompts, trace
+from .models.anatomy import expert_params, moe_blocks, top_k_of
+from .predict import predictors, prompts
 from .runtime import store as store_mod
 from .runtime.engine import open_store, store_dir
 from .runtime.loop import MemoryWatch, decode, summarize
 from .runtime.staging import StagingError
+from .tracing import fitting, trace
 
 
 def positive(value: str) -> int:
@@ -391,10 +393,10 @@ def architectures_table() -> str:
         tensors = "?"
         try:
             model, _, _, _ = registry.load(mid, lazy=True)
-            blocks = store_mod.moe_blocks(model)
-            tensors = ", ".join(n for n, _ in store_mod.expert_params(blocks[0].switch))
-            shape["experts"] = store_mod.expert_params(blocks[0].switch)[0][1].shape[0]
-            shape["top_k"] = store_mod.top_k_of(model, blocks[0]) or shape["top_k"]
+            blocks = moe_blocks(model)
+            tensors = ", ".join(n for n, _ in expert_params(blocks[0].switch))
+            shape["experts"] = expert_params(blocks[0].switch)[0][1].shape[0]
+            shape["top_k"] = top_k_of(model, blocks[0]) or shape["top_k"]
         except Exception as e:  # noqa: BLE001 - the table says what stopped it
             tensors = f"(cannot load: {type(e).__name__})"
         exact = "yes" if spec.get("exact", True) else f"no: {spec.get('reason', '')}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from mlx.utils import tree_flatten
 
-from .runtime.store import expert_params, moe_blocks
+from .models.anatomy import expert_params, moe_blocks
 
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip

@@ -5,6 +5,7 @@ from importlib import metadata
 
 from .config import PACKAGE
 
+__version__ = "0.2.0"  # the package's version (pyproject.toml reads it here)
 PACKAGES = ("mlx", "mlx-lm", "numpy", "titan-engine")
 
 
@@ -13,8 +14,6 @@ def version(pkg: str) -> str | None:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         if pkg == "titan-engine":  # a source tree that was not pip-installed
-            from . import __version__
-
             return __version__
         return None
 

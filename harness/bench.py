@@ -25,13 +25,14 @@ from engine import api, device, load
 from engine.cli import positive, probability
 from engine.config import EngineConfig
 from engine.models import registry
-from engine.predict import prompts, trace
+from engine.predict import prompts
 from engine.predict.predictors import FITTED
 from engine.runtime import staging
 from engine.runtime.engine import build_cache, open_store
 from engine.runtime.loop import call_split, decode, model_bytes, summarize, time_split, totals
 from engine.runtime.moe import records_to_mx
 from engine.runtime.slots import SlotTable
+from engine.tracing import trace
 
 from . import provenance, rawlog, servebench
 

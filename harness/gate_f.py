@@ -14,8 +14,9 @@ from engine import max_abs_diff
 from engine.cluster import multinode
 from engine.cluster import placement as pl
 from engine.models.registry import load_reference
-from engine.predict import prompts, trace
+from engine.predict import prompts
 from engine.runtime.loop import decode
+from engine.tracing import trace
 
 
 def node_config(n, link, capacity, cost=1.0):

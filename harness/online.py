@@ -11,10 +11,11 @@ from engine import load
 from engine.config import EngineConfig
 from engine.models import registry
 from engine.models.registry import load_reference
-from engine.predict import predictors, prompts, simulate, trace
-from engine.predict.fitting import get_predictor
+from engine.predict import predictors, prompts
 from engine.runtime.loop import PEAKS, decode, model_bytes, totals
 from engine.runtime.store import model_digest
+from engine.tracing import simulate, trace
+from engine.tracing.fitting import get_predictor
 from harness.checkpoint import Repetitions
 from harness.provenance import code_digest, git_state
 

@@ -3,8 +3,9 @@ a layer's experts are from earlier layers, and how differently code and prose ro
 
 import numpy as np
 
-from engine.predict import predictors, trace
-from engine.predict.fitting import fitted_predictor
+from engine.predict import predictors
+from engine.tracing import trace
+from engine.tracing.fitting import fitted_predictor
 
 
 def _js_bits(p, q):

@@ -17,9 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from engine import EngineConfig, device, load  # noqa: E402
 from engine.models.registry import load_reference  # noqa: E402
-from engine.predict import predictors, prompts, trace  # noqa: E402
+from engine.predict import predictors, prompts  # noqa: E402
 from engine.runtime.loop import decode  # noqa: E402
 from engine.runtime.prefetch import Prefetcher  # noqa: E402
+from engine.tracing import trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"

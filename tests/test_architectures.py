@@ -14,9 +14,9 @@ from conftest import PROMPT, ROOT
 from engine import EngineConfig, load, max_abs_diff
 from engine.cli import architectures_table
 from engine.models import registry
+from engine.models.anatomy import expert_params, moe_blocks, top_k_of
 from engine.models.registry import load_reference
 from engine.runtime.loop import decode
-from engine.runtime.store import expert_params, moe_blocks, top_k_of
 
 # Quantized layers outside the experts (the experts' own take mlx-lm's gather_qmm, which is sound)
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)

@@ -99,8 +99,9 @@ def random_steps(rng, E, S, steps):
     for i in range(steps):
         if i % 3 == 2:
             chosen = rng.choice(E, size=rng.integers(1, S + 1), replace=False)
-            inds = rng.choice(chosen, size=20)
-            inds[rng.random(20) < 0.3] = -1
+            n = 20 if i % 2 else 40  # 40: more entries than a warp has lanes
+            inds = rng.choice(chosen, size=n)
+            inds[rng.random(n) < 0.3] = -1
         else:
             inds = rng.choice(E, size=min(4, S), replace=False)
         yield inds.astype(np.int32)
@@ -197,7 +198,7 @@ def test_a_prefill_larger_than_the_table_reads_each_expert_once():
     """A prompt routing to more experts than S: the expert batches of moe.prefill_calls, each
     expert filled once a layer, the latest rows' experts left resident."""
     model, tok, _ = load_reference("qwen3moe-tiny")
-    from engine.predict import trace
+    from engine.tracing import trace
 
     ids = tok.encode("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)")
     routed = trace.record(model, ids, 0)["experts"]
@@ -304,16 +305,17 @@ def test_auto_steps_back_to_pinned_where_the_host_tier_does_not_fit(monkeypatch,
 
 # -- on a CUDA GPU: the kernels ---------------------------------------------------------------------
 @gpu_only
-@pytest.mark.parametrize("E,S", [(16, 6), (64, 16)])
+@pytest.mark.parametrize("E,S", [(16, 6), (64, 16), (128, 48)])  # 48: lanes of the warp own two slots
 def test_the_map_kernel_gives_the_operations_maps(E, S):
     rng = np.random.default_rng(7)
     a, b = MapState.empty(E, S), MapState.empty(E, S)
-    for inds in random_steps(rng, E, S, 100):
+    for i, inds in enumerate(random_steps(rng, E, S, 100)):
         a, fa = map_step_ops(a, mx.array(inds), S)
         b, fb = devicemap.map_step_kernel(b, mx.array(inds), S)
         pred = mx.array(rng.choice(E, size=6, replace=False).astype(np.int32))
-        a, pa = devicemap.prefetch_step_ops(a, pred, S)
-        b, pb = devicemap.prefetch_step_kernel(b, pred, S)
+        protect = i % 2 == 1
+        a, pa = devicemap.prefetch_step_ops(a, pred, S, protect_recent=protect)
+        b, pb = devicemap.prefetch_step_kernel(b, pred, S, protect_recent=protect)
         for x, y in zip(a.arrays() + [pa.experts, pa.slots, pa.count], b.arrays() + [pb.experts, pb.slots, pb.count]):
             assert np.array_equal(np.array(x), np.array(y))
         for x, y in zip(

@@ -7,9 +7,9 @@ from conftest import HOST_INSTALL, MODELS, run_engine
 
 from engine import EngineConfig, decode, device, load, max_abs_diff
 from engine.models import registry
-from engine.predict import trace
 from engine.runtime import devicemap, moe
 from engine.runtime.moe import ExpertCache
+from engine.tracing import trace
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
 

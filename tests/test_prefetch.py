@@ -11,12 +11,13 @@ from conftest import HOST_INSTALL, MODELS, ON_GPU, run_with
 from engine import EngineConfig, load, max_abs_diff
 from engine.models import registry
 from engine.models.embedded import sha256_file
-from engine.predict import predictors, prompts, simulate, trace
-from engine.predict.fitting import fitted_predictor
+from engine.predict import predictors, prompts
 from engine.predict.predictors import Context
 from engine.runtime.loop import decode, time_split
 from engine.runtime.prefetch import Prefetcher
 from engine.runtime.store import Store, StoreError
+from engine.tracing import simulate, trace
+from engine.tracing.fitting import fitted_predictor
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

@@ -16,13 +16,14 @@ from conftest import MODELS, run_with
 
 from engine import EngineConfig, cudart, device, load, max_abs_diff
 from engine.models.registry import load_reference
-from engine.predict import predictors, trace
+from engine.predict import predictors
 from engine.runtime import staging
 from engine.runtime.loop import decode
 from engine.runtime.moe import ExpertCache
 from engine.runtime.prefetch import NoPrefetch, Prefetcher
 from engine.runtime.slots import SlotTable
 from engine.runtime.store import TensorSpec
+from engine.tracing import trace
 
 REAL = device.kind() == "gpu" and device.pinned_unavailable() is None
 gpu_only = pytest.mark.skipif(not REAL, reason="GPU-only: needs MLX's CUDA backend and libcudart (the copy kernel)")

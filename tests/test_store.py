@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from engine.models import registry
+from engine.models.anatomy import moe_layers
 from engine.runtime.engine import open_store, store_dir
-from engine.runtime.store import Store, StoreError, moe_layers
+from engine.runtime.store import Store, StoreError
 
 
 @pytest.fixture(scope="module")

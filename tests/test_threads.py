@@ -11,10 +11,10 @@ from conftest import PROMPT
 
 from engine import EngineConfig, device, load
 from engine.models.registry import load_reference
-from engine.predict import trace
 from engine.runtime import moe, slots, staging
 from engine.runtime import store as store_mod
 from engine.runtime.loop import decode
+from engine.tracing import trace
 
 
 def test_an_array_made_in_a_reader_thread_cannot_be_evaluated_elsewhere():

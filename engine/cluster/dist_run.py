@@ -19,9 +19,9 @@ import numpy as np
 from ..api import load
 from ..config import EngineConfig
 from ..models import registry
+from ..models.anatomy import moe_blocks
 from ..runtime.loop import decode
 from ..runtime.moe import SlotSwitchGLU
-from ..runtime.store import moe_blocks
 from . import multinode
 from . import placement as pl
 

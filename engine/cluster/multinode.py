@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import versions
 from ..models import registry
-from ..runtime import store as store_mod
+from ..models.anatomy import moe_layers
 from ..runtime.engine import build_cache, open_store
 from ..runtime.moe import SlotSwitchGLU
 from . import placement as pl
@@ -263,7 +263,7 @@ def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, ti
     """A remote node: hold this node's experts in its own slot tables and answer node 0."""
     rank = group.rank()
     model, _, spec, path = registry.load(model_id, lazy=True)
-    blocks = store_mod.moe_layers(model)
+    blocks = moe_layers(model)
     st = open_store(model_id, model, path, tier=tier)
     sizes = [max(1, int((executes_on[o] == rank).sum())) for o in range(len(blocks))]
     cache = build_cache(st, sizes)

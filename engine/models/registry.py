@@ -20,8 +20,8 @@ import yaml
 from huggingface_hub import constants
 
 from ..config import DATA, checkout, resources_dir
-from ..runtime.store import TOP_K_NAMES
 from . import embedded
+from .anatomy import TOP_K_NAMES
 
 PACKAGED = DATA / "models.yaml"
 ARCHITECTURES = DATA / "architectures.yaml"  # one tiny model per MoE architecture of mlx-lm

@@ -1,1 +1,1 @@
-"""Predictors of the experts ahead, the routing traces they learn from, trace replay and the prompt sets."""
+"""Below the runtime: the predictors it asks for the experts ahead, and the prompt sets."""

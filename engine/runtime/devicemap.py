@@ -19,7 +19,7 @@ All of it is lazy MLX work in the token's graph, queued like mlx-lm's own `gener
 a resident model's; counters stay on the device until asked for.
 
 Two implementations of the map step and the fill, chosen per `DeviceCache(mode=...)`:
-- `kernel` (a CUDA GPU): the map step is one single-thread `mx.fast.cuda_kernel`; the fill is a
+- `kernel` (a CUDA GPU): the map step is one one-warp `mx.fast.cuda_kernel`; the fill is a
   grid-stride kernel that reads the records across PCIe and writes them straight into the slot
   tables' memory: MLX cannot name an existing array as a kernel's output, so the tables are the
   kernel's inputs and it writes through their pointers, handed to it at every launch (a table's
@@ -41,12 +41,12 @@ import mlx.core as mx
 import numpy as np
 
 from .. import device
+from ..models.anatomy import set_param
 from . import hosttier
 from .hosttier import HostTier
 from .moe import OffloadedSwitch, StepStats, prefill_calls
 from .slots import mx_dtype
 from .staging import GRID_STRIDE, cuda_kernel, record_loops
-from .store import set_param
 
 # Per layer, on the device: distinct experts found resident / filled on demand; prefetched experts
 # filled, then used by the demand step they were for, or not (evicted first, or not routed to).
@@ -175,95 +175,145 @@ def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recen
 
 
 # -- the map step as one CUDA kernel ----------------------------------------------------------------
-# One thread: the step is tens of entries. Both kinds of step share the head, the way a slot is
-# taken and the padding of the fill list; PROTECT (a template constant) is a prefetch's
-# protect_recent.
+# One warp. The step is a sequence (each miss takes the least recently used slot left after the
+# misses before it), so the entries are walked in order by every lane alike; what is parallel is
+# each walk over the slots (the choice of a slot is a warp minimum) and the copies in and out. The
+# maps live in shared memory for the step: a single thread walking them in global memory cost tens
+# of microseconds a layer, a cost that grew with S. A slot's key is stamp * S + slot (a used slot's
+# stamp counts as 2^31, after every real one), unique, so that the minimum names its slot. Lane 0
+# alone writes the shared maps; a __syncwarp() stands between every read by all lanes and that
+# write. Both kinds of step share the head, the way a slot is taken and the padding of the fill
+# list; PROTECT (a template constant) is a prefetch's protect_recent.
 _HEAD = """
-if (blockIdx.x != 0 || threadIdx.x != 0) return;
+const int lane = threadIdx.x;
 const int N = inds_shape[0];
 const int M = N < S ? N : S;
-for (int e = 0; e < E; ++e) slot_of_o[e] = slot_of[e];
-for (int s = 0; s < S; ++s) { expert_in_o[s] = expert_in[s]; stamp_o[s] = stamp[s]; pending_o[s] = pending[s]; }
+const long long NONE = 0x7fffffffffffffffLL;
+__shared__ int so[E], ei[S], sto[S], pdo[S];
+__shared__ bool used[S], taken[S], seen[E];
 const int clk = clock[0];
-bool used[S], taken[S], seen[E];
-for (int s = 0; s < S; ++s) { used[s] = PROTECT && stamp[s] == clk - 1; taken[s] = false; }
-for (int e = 0; e < E; ++e) seen[e] = false;
-for (int j = 0; j < N; ++j) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
-int n = 0, hits = 0, wasted = 0, rank = 0, nfree = 0;
-for (int s = 0; s < S; ++s) if (!used[s]) ++nfree;
+for (int x = lane; x < E; x += 32) { so[x] = slot_of[x]; seen[x] = false; }
+for (int s = lane; s < S; s += 32) {
+  ei[s] = expert_in[s]; sto[s] = stamp[s]; pdo[s] = pending[s];
+  used[s] = PROTECT && stamp[s] == clk - 1; taken[s] = false;
+}
+__syncwarp();
+for (int j = lane; j < N; j += 32) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
+__syncwarp();
+int nfree = 0;
+for (int s = lane; s < S; s += 32) nfree += !used[s];
+for (int o = 16; o > 0; o >>= 1) nfree += __shfl_xor_sync(0xffffffffu, nfree, o);
+int n = 0, hits = 0, wasted = 0, rank = 0;
 for (int j = 0; j < N; ++j) {
   const int e = inds[j];
-  if (e < 0 || seen[e]) continue;
-  seen[e] = true;
+  if (e < 0) continue;
+  __syncwarp();
+  const bool was_seen = seen[e];
+  __syncwarp();
+  if (was_seen) continue;
+  if (lane == 0) seen[e] = true;
 """
-_TAKE = """
-  long long best = 0; int v = -1;
-  for (int s = 0; s < S; ++s) {
-    if (used[s] || taken[s]) continue;
-    const long long key = (long long)stamp[s] * S + s;
-    if (v < 0 || key < best) { best = key; v = s; }
+_MIN = """
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long b = __shfl_xor_sync(0xffffffffu, best, o);
+    best = b < best ? b : best;
   }
-  if (v < 0) v = 0;  // more experts than free slots: a demand step's caller plans batches that fit
-  taken[v] = true;
-  const int old = expert_in_o[v];
-  if (old >= 0) slot_of_o[old] = -1;
-  slot_of_o[e] = v; expert_in_o[v] = e;
-  if (n < M) { fill_e[n] = e; fill_s[n] = v; }
 """
-_PAD = """
-}
-int pad = -1; long long best = 0;
-for (int s = 0; s < S; ++s) {
-  if (taken[s]) continue;
-  const long long key = used[s] ? (1LL << 40) + s : (long long)stamp[s] * S + s;
-  if (pad < 0 || key < best) { best = key; pad = s; }
-}
-if (pad < 0) pad = fill_s[M - 1];
-for (int j = n; j < M; ++j) { fill_e[j] = -1; fill_s[j] = pad; }
-count[0] = n;
+_TAKE = (
+    """
+  long long best = NONE;
+  for (int s = lane; s < S; s += 32)
+    if (!used[s] && !taken[s]) { const long long key = (long long)stamp[s] * S + s; best = key < best ? key : best; }
 """
+    + _MIN
+    + """
+  // none left: more experts than free slots, which a demand step's caller never plans
+  const int v = best == NONE ? 0 : (int)(((best % S) + S) % S);
+  __syncwarp();
+  if (lane == 0) {
+    taken[v] = true;
+    const int old = ei[v];
+    if (old >= 0) so[old] = -1;
+    so[e] = v; ei[v] = e;
+    if (n < M) { fill_e[n] = e; fill_s[n] = v; }
+    EXTRA_TAKE
+  }
+"""
+)
+_PAD = (
+    """
+}
+__syncwarp();
+long long best = NONE;
+for (int s = lane; s < S; s += 32)
+  if (!taken[s]) {
+    const long long key = (used[s] ? 2147483648LL : (long long)stamp[s]) * S + s;
+    best = key < best ? key : best;
+  }
+"""
+    + _MIN
+    + """
+const int pad = best == NONE ? fill_s[M - 1] : (int)(((best % S) + S) % S);
+for (int j = n + lane; j < M; j += 32) { fill_e[j] = -1; fill_s[j] = pad; }
+if (lane == 0) count[0] = n;
+for (int x = lane; x < E; x += 32) slot_of_o[x] = so[x];
+"""
+)
 MAP_SOURCE = (
     _HEAD
     + "  if (slot_of[e] >= 0) { ++hits; continue; }"
-    + _TAKE
+    + _TAKE.replace("EXTRA_TAKE", "")
     + "  ++n;"
     + _PAD
     + """
-for (int j = 0; j < N; ++j) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)slot_of_o[e] : 0u; }
-for (int s = 0; s < S; ++s) if (used[s] || taken[s]) stamp_o[s] = clk;
+for (int j = lane; j < N; j += 32) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)so[e] : 0u; }
 int useful = 0;
-for (int s = 0; s < S; ++s) { if (pending[s]) { if (used[s]) ++useful; else ++wasted; } pending_o[s] = 0; }
-clock_o[0] = clk + 1;
-counters_o[0] = counters[0] + hits;
-counters_o[1] = counters[1] + n;
-counters_o[2] = counters[2];
-counters_o[3] = counters[3] + useful;
-counters_o[4] = counters[4] + wasted;
+for (int s = lane; s < S; s += 32) {
+  expert_in_o[s] = ei[s];
+  stamp_o[s] = used[s] || taken[s] ? clk : stamp[s];
+  if (pending[s]) { if (used[s]) ++useful; else ++wasted; }
+  pending_o[s] = 0;
+}
+for (int o = 16; o > 0; o >>= 1) {
+  useful += __shfl_xor_sync(0xffffffffu, useful, o);
+  wasted += __shfl_xor_sync(0xffffffffu, wasted, o);
+}
+if (lane == 0) {
+  clock_o[0] = clk + 1;
+  counters_o[0] = counters[0] + hits;
+  counters_o[1] = counters[1] + n;
+  counters_o[2] = counters[2];
+  counters_o[3] = counters[3] + useful;
+  counters_o[4] = counters[4] + wasted;
+}
 """
 )
 PREFETCH_SOURCE = (
     _HEAD
-    + """  if (slot_of[e] >= 0) { stamp_o[slot_of[e]] = clk; continue; }
+    + """  if (slot_of[e] >= 0) { if (lane == 0) sto[slot_of[e]] = clk; continue; }
   if (rank++ >= nfree) continue;"""
-    + _TAKE
+    + _TAKE.replace("EXTRA_TAKE", "pdo[v] = 1; sto[v] = clk;")
     + """  if (pending[v]) ++wasted;
-  pending_o[v] = 1;
-  stamp_o[v] = clk;
   ++n;"""
     + _PAD
     + """
-clock_o[0] = clk;
-counters_o[0] = counters[0];
-counters_o[1] = counters[1];
-counters_o[2] = counters[2] + n;
-counters_o[3] = counters[3];
-counters_o[4] = counters[4] + wasted;
+__syncwarp();
+for (int s = lane; s < S; s += 32) { expert_in_o[s] = ei[s]; stamp_o[s] = sto[s]; pending_o[s] = pdo[s]; }
+if (lane == 0) {
+  clock_o[0] = clk;
+  counters_o[0] = counters[0];
+  counters_o[1] = counters[1];
+  counters_o[2] = counters[2] + n;
+  counters_o[3] = counters[3];
+  counters_o[4] = counters[4] + wasted;
+}
 """
 )
+WARP = 32
 
 
 def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) -> tuple:
-    """`map_step_ops` as one single-thread CUDA kernel (the same outputs, bit for bit)."""
+    """`map_step_ops` as one one-warp CUDA kernel (the same outputs, bit for bit)."""
     E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
     M = min(N, S)
     k = cuda_kernel("map", STATE_IN, STATE_OUT + ("remapped", "fill_e", "fill_s", "count"), MAP_SOURCE)
@@ -272,8 +322,8 @@ def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) ->
         inputs=[inds, *state.arrays()],
         output_shapes=state_shapes(E, S) + [(N,), (M,), (M,), (1,)],
         output_dtypes=[i32] * 6 + [mx.uint32, i32, i32, i32],
-        grid=(1, 1, 1),
-        threadgroup=(1, 1, 1),
+        grid=(WARP, 1, 1),
+        threadgroup=(WARP, 1, 1),
         template=[("E", E), ("S", S), ("PROTECT", False)],
         stream=stream,
     )
@@ -281,7 +331,7 @@ def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) ->
 
 
 def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_recent=False, stream=None) -> tuple:
-    """`prefetch_step_ops` as one single-thread CUDA kernel."""
+    """`prefetch_step_ops` as one one-warp CUDA kernel."""
     E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
     M = min(N, S)
     k = cuda_kernel("prefetch", STATE_IN, STATE_OUT + ("fill_e", "fill_s", "count"), PREFETCH_SOURCE)
@@ -290,8 +340,8 @@ def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_re
         inputs=[inds, *state.arrays()],
         output_shapes=state_shapes(E, S) + [(M,), (M,), (1,)],
         output_dtypes=[i32] * 6 + [i32, i32, i32],
-        grid=(1, 1, 1),
-        threadgroup=(1, 1, 1),
+        grid=(WARP, 1, 1),
+        threadgroup=(WARP, 1, 1),
         template=[("E", E), ("S", S), ("PROTECT", bool(protect_recent))],
         stream=stream,
     )

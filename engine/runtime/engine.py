@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from .. import device
 from ..config import EngineConfig, build_lock, resources_dir
+from ..models.anatomy import expert_params, moe_blocks, top_k_of
 from ..predict import predictors
 from . import hosttier
 from . import store as store_mod
@@ -63,11 +64,11 @@ class Engine:
     def __init__(self, model, tokenizer, spec, model_path, config: EngineConfig | None = None, prefetcher=None):
         config = config or EngineConfig()
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
-        blocks = store_mod.moe_blocks(model)
+        blocks = moe_blocks(model)
         if not blocks:
             raise ValueError(f"model '{spec['id']}' has no MoE layer (no SwitchGLU or SwitchMLP): nothing to offload")
-        num_experts = store_mod.expert_params(blocks[0].switch)[0][1].shape[0]
-        top_k = store_mod.top_k_of(model, blocks[0])
+        num_experts = expert_params(blocks[0].switch)[0][1].shape[0]
+        top_k = top_k_of(model, blocks[0])
         slots = num_experts if config.slots is None else config.slots
         if top_k is not None and slots < top_k:
             raise ValueError(

@@ -14,9 +14,10 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import device
+from ..models.anatomy import set_param
 from . import staging
 from .slots import SlotTable, mx_dtype
-from .store import NP_DTYPES, set_param
+from .store import NP_DTYPES
 
 
 @dataclass

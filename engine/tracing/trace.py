@@ -20,9 +20,9 @@ import numpy as np
 from .. import versions
 from ..config import resources_dir
 from ..models import registry
+from ..models.anatomy import expert_params, moe_blocks
+from ..predict import prompts as prompt_sets
 from ..runtime.loop import decode
-from ..runtime.store import expert_params, moe_blocks
-from . import prompts as prompt_sets
 
 
 class TraceError(ValueError):

@@ -8,8 +8,8 @@ l+d's, then access this token's experts (hits, then misses with eviction).
 
 import numpy as np
 
+from ..predict.predictors import Context, NoPredictor, Oracle, target_of
 from ..runtime.slots import SlotTable
-from .predictors import Context, NoPredictor, Oracle, target_of
 
 
 def replay(trace, slots: int, predictor=None, depth: int = 1, eviction: str = "lru") -> dict:

@@ -1,6 +1,6 @@
 """Fitted predictors, made once: traced, fitted and saved on first use, then reused.
 
-Above the decode path: tracing runs the model (engine.predict.trace); the runtime only ever
+Above the decode path: tracing runs the model (engine.tracing.trace); the runtime only ever
 receives a predictor object (engine.api.load asks here for one)."""
 
 import sys
@@ -8,7 +8,8 @@ import time
 
 from .. import device
 from ..models.embedded import sha256_file
-from . import predictors, trace
+from ..predict import predictors
+from . import trace
 
 
 def fitted_predictor(
@@ -26,7 +27,7 @@ def fitted_predictor(
     A saved one is reused only if it was fitted on the very trace file there now (its sha256), so
     the workflow's `fit` jobs serve every later reader and a re-recorded trace is never paired
     with a stale fit. Otherwise it is fitted (tracing the fit prompts first if need be) and saved.
-    `stamp` makes a new trace's metadata (engine.predict.trace.run)."""
+    `stamp` makes a new trace's metadata (engine.tracing.trace.run)."""
     tpath = trace.trace_path(model_id, prompt_set, "fit", tokens)
     if not tpath.exists():
         print(f"[titan] tracing {model_id} over the {prompt_set} fit prompts ...", file=sys.stderr, flush=True)
