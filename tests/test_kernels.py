@@ -28,6 +28,9 @@ PRELUDE = """
 #include <cstdint>
 #define __global__
 #define __grid_constant__
+#define __shared__ static
+inline void __syncwarp(unsigned = 0xffffffffu) {}
+template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
 struct dim3 { unsigned x, y, z; };
 static dim3 blockIdx, threadIdx, blockDim, gridDim;
 struct uint4 { unsigned x, y, z, w; };

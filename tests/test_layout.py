@@ -138,6 +138,4 @@ def test_the_decode_path_never_reaches_tracing_or_fitting():
     through the runtime) are above it."""
     for f in sorted((ENGINE / "runtime").glob("*.py")):
         for mod, line, _ in imports(f):
-            assert not mod.startswith(("engine.tracing", "engine.api")), (
-                f"{f.relative_to(ROOT)}:{line} imports {mod}"
-            )
+            assert not mod.startswith(("engine.tracing", "engine.api")), f"{f.relative_to(ROOT)}:{line} imports {mod}"

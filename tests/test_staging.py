@@ -13,6 +13,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from conftest import MODELS, run_with
+from mlx_lm.generate import generate_step
 
 from engine import EngineConfig, cudart, device, load, max_abs_diff
 from engine.models.registry import load_reference
@@ -302,6 +303,24 @@ def test_stream_generate_gives_mlx_lms_tokens(pinned):
         finally:
             eng.close()
         assert got == want, install
+
+
+@pytest.mark.parametrize("install", ["pinned", "auto"])
+def test_closing_an_engine_while_its_next_token_is_queued_is_safe(pinned, install):
+    """mlx-lm's generate_step queues the next token before it hands over the current one, so a
+    caller that stops reading leaves work queued that reads the engine's mapped host memory (the
+    pinned records; the device install's host tier, `auto` on a GPU). close() waits for it before
+    unregistering that memory: a read of unregistered memory is an illegal access on a GPU, and it
+    failed every later CUDA call of the process (the H200 suite of 164d7b3)."""
+    eng = load("qwen3moe-tiny", EngineConfig(slots=8, install=install))
+    try:
+        prompt = mx.array(eng.tokenizer.encode("def fibonacci(n):"))
+        for i, _ in enumerate(generate_step(prompt, eng.model, max_tokens=64)):
+            if i == 3:
+                break
+    finally:
+        eng.close()
+    assert (mx.arange(8) * 2).sum().item() == 56  # the process's device still computes
 
 
 def test_pinned_miss_accounting(pinned):

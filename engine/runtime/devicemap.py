@@ -540,6 +540,12 @@ class DeviceCache:
         return np.array(self.states[layer].expert_in)
 
     def close(self):
+        # Fill kernels still queued (mlx-lm's generate_step evaluates the next token ahead, a
+        # prefetch runs on its own stream) read the host tier through its mapped address: once
+        # it is unregistered, such a read is an illegal access that poisons every later CUDA call.
+        mx.synchronize()
+        if self.prefetch_stream is not None:
+            mx.synchronize(self.prefetch_stream)
         hosttier.release(self.tier)
 
 

@@ -369,6 +369,9 @@ class ExpertCache:
     def close(self):
         self.prefetcher.close()
         if self.staging is not None:
+            # Copy kernels still queued (a decode loop evaluates its next token ahead) read the
+            # records through their mapped addresses: those must outlive them.
+            mx.synchronize()
             self.staging.close()
             self.staging = None
 
