@@ -310,8 +310,8 @@ def test_closing_an_engine_while_its_next_token_is_queued_is_safe(pinned, instal
     """mlx-lm's generate_step queues the next token before it hands over the current one, so a
     caller that stops reading leaves work queued that reads the engine's mapped host memory (the
     pinned records; the device install's host tier, `auto` on a GPU). close() waits for it before
-    unregistering that memory: a read of unregistered memory is an illegal access on a GPU, and it
-    failed every later CUDA call of the process (the H200 suite of 164d7b3)."""
+    unregistering that memory, whose later read would be an illegal access on a GPU (one that
+    fails every later CUDA call of the process)."""
     eng = load("qwen3moe-tiny", EngineConfig(slots=8, install=install))
     try:
         prompt = mx.array(eng.tokenizer.encode("def fibonacci(n):"))
