@@ -298,6 +298,16 @@ def bench_table(recs):
             for k, sp in res.get("tok_s_spread", {}).items():
                 figs[f"tok_s_min[{k_(k)}]"], figs[f"tok_s_max[{k_(k)}]"] = sp["min"], sp["max"]
             figs.update({f"x resident[{k_(k)}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
+            runs = res.get("tok_s_runs", {})
+            if res.get("ratio_vs_resident") and "S=E" in runs:
+                figs[f"repeats[{k_('S=E')}]"] = len(runs["S=E"])
+                # Each repeat's ratio to resident decoding in the same repeat (the runs are
+                # interleaved): a machine that drifts between repeats moves both sides of it.
+                for k, v in runs.items():
+                    paired = sorted(a / b for a, b in zip(v, runs["S=E"]))
+                    figs[f"x resident paired[{k_(k)}]"] = statistics.median(paired)
+                    figs[f"x resident paired_min[{k_(k)}]"] = paired[0]
+                    figs[f"x resident paired_max[{k_(k)}]"] = paired[-1]
             figs.update({f"memory_bytes[{k_(k)}]": v for k, v in res.get("memory_bytes", {}).items()})
             # a prompt's prefill (records since it was measured): its speed and what it read
             figs.update({f"prefill_tok_s[{k_(k)}]": v for k, v in res.get("prefill_tok_s", {}).items()})
