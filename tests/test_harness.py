@@ -263,11 +263,35 @@ def test_a_claim_whose_spread_straddles_the_line_is_unresolved(tmp_path):
     assert row["direction"] == "unresolved (no spread)" and row["within_tolerance"] == "unresolved (no spread)"
 
 
+def test_a_claim_rests_on_every_run_of_its_commit(tmp_path):
+    """Two runs of one commit are pooled: the median of their figures and the widest range, so
+    that a second run that disagrees makes the verdict unresolved instead of replacing the
+    first; the claims table says how many runs and which commit. A run of another commit is not
+    pooled with them."""
+    raw = tmp_path / "raw"
+    sync_run(raw, 28.0, 51.0, 4.0, 2.0)  # x1.82, +-2 %
+    row = claims_of(raw, tmp_path / "a").loc[TOK]
+    assert (row["direction"], row["runs"], row["commit"]) == ("yes", 1, (provenance.git_state()["commit"] or "")[:12])
+    sync_run(raw, 50.0, 45.0, 4.0, 4.4)  # the same code again, now batching loses
+    row = claims_of(raw, tmp_path / "b").loc[TOK]
+    assert row["runs"] == 2 and row["direction"] == "unresolved"
+    assert row["ratio_low"] == pytest.approx(45 * 0.98 / (50 * 1.02))
+    assert row["ratio_high"] == pytest.approx(51 * 1.02 / (28 * 0.98))
+    assert row["ratio"] == pytest.approx(((51 + 45) / 2) / ((28 + 50) / 2))
+    assert "| runs | commit |" in (tmp_path / "b" / "claims.md").read_text()
+    for code, f in zip("ab", sorted(raw.rglob("*.jsonl"))):  # each run of a commit of its own: the latest decides
+        recs = [json.loads(line) for line in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps({**r, "commit": code * 40}) + "\n" for r in recs))
+    row = claims_of(raw, tmp_path / "c").loc[TOK]
+    assert row["runs"] == 1 and row["direction"] == "no"
+
+
 def test_readme_is_a_front_door_linking_every_guide_and_result():
     """The README stays short and links the guides and generated results; nothing rewrites it."""
     readme = (ROOT / "README.md").read_text()
     assert len(readme.encode()) <= 15_000
-    for target in ("docs/gpu.md", "docs/cluster.md", "docs/results.md", "docs/workflow.md", "figures/claims.md"):
+    for target in ("docs/engine.md", "docs/gpu.md", "docs/cluster.md", "docs/results.md", "docs/workflow.md",
+                   "docs/serve.md", "figures/claims.md"):  # fmt: skip
         assert f"]({target})" in readme and (ROOT / target).exists(), target
     regenerate = (ROOT / "workflow" / "scripts" / "regenerate.py").read_text()
     assert "README" not in regenerate

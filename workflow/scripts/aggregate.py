@@ -28,19 +28,34 @@ MACHINE = ["device", "chip", "host"]
 
 def machine_cols(rec):
     chip = rec.get("gpu") if rec.get("device") == "gpu" and rec.get("gpu") else rec["chip"]
-    return dict(device=rec["device"], chip=chip, host=rec["host"])
+    return dict(device=rec["device"], chip=chip, host=rec["host"], commit=(rec.get("commit") or "")[:12])
 
 
 def latest(rows, keys):
-    """One row per key: the latest run (by start time, then run id), with the run count."""
+    """One row per key, from the latest run (by start time, then run id) and every other run of
+    its commit on that key, pooled: a figure with a spread (`X` beside `X_min` and `X_max`) takes
+    the median of the runs' figures and the widest range, so that a verdict rests on every run of
+    the code it is about; `runs` says how many, `commit` which code. Runs of older commits are
+    history, not evidence about this one: they are left out."""
     df = pd.DataFrame(rows)
     if df.empty:
         return df
+    if "commit" not in df.columns:
+        df["commit"] = ""
+    df["commit"] = df["commit"].fillna("")
     df = df.sort_values(keys + ["started_utc", "run_id"], kind="mergesort")
-    counts = df.groupby(keys, dropna=False, sort=True).size().rename("runs")
-    df = df.groupby(keys, dropna=False, sort=True).tail(1).set_index(keys)
-    df = df.join(counts).reset_index()
-    return df.sort_values(keys, kind="mergesort").reset_index(drop=True)
+    spread = [c for c in df.columns if f"{c}_min" in df.columns and f"{c}_max" in df.columns]
+    last = df.groupby(keys, dropna=False, sort=True).tail(1)
+    same = df.merge(last[keys + ["commit"]], on=keys + ["commit"], how="inner")  # the latest commit's runs
+    g = same.groupby(keys, dropna=False, sort=True)
+    out = last.set_index(keys)
+    out = out.join(g.size().rename("runs"))
+    for c in spread:
+        pooled = g.agg(**{c: (c, "median"), f"{c}_min": (f"{c}_min", "min"), f"{c}_max": (f"{c}_max", "max")})
+        multi = out["runs"] > 1  # one run keeps its own figures exactly
+        for col in pooled.columns:
+            out.loc[multi, col] = pooled.loc[out.index[multi], col].to_numpy()
+    return out.reset_index().sort_values(keys, kind="mergesort").reset_index(drop=True)
 
 
 def design_table(recs):
@@ -119,6 +134,7 @@ def prefetch_table(recs):
         "memory_bytes",
         "repeats",
         "runs",
+        "commit",
     ]
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
@@ -139,7 +155,7 @@ def quality_table(recs):
     keys = MACHINE + ["model", "prompt_set", "slots", "predictor", "depth"]
     # estimate: the predictor's own mean probability for what it predicted, beside used_share (the
     # share of those used): equal when it is calibrated, what a confidence floor relies on.
-    cols = keys + ["precision", "recall", "estimate", "used_share", "hit_rate", "issued", "useful", "runs"]
+    cols = keys + ["precision", "recall", "estimate", "used_share", "hit_rate", "issued", "useful", "runs", "commit"]
     df = latest(online_rows(recs), keys)
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
@@ -156,6 +172,7 @@ def routing_table(recs):
         "recall",
         "chance",
         "runs",
+        "commit",
     ]
     rows = []
     for r in recs:
@@ -210,6 +227,7 @@ def multinode_table(recs):
         "moves",
         "replacements",
         "runs",
+        "commit",
     ]
     rows = []
     for r in recs:
@@ -247,6 +265,7 @@ def sync_table(recs):
         "tokens",
         "repeats",
         "runs",
+        "commit",
     ]
     df = latest(online_rows(recs), keys)
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
@@ -254,7 +273,7 @@ def sync_table(recs):
 
 def wire_table(recs):
     keys = MACHINE + ["model", "nodes", "wire"]
-    cols = keys + ["dtype", "wire_dtype", "max_abs_logit_diff", "tokens", "remote_share", "runs"]
+    cols = keys + ["dtype", "wire_dtype", "max_abs_logit_diff", "tokens", "remote_share", "runs", "commit"]
     df = latest(online_rows(recs), keys)
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
 
@@ -347,7 +366,7 @@ def bench_table(recs):
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
     keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]
-    cols = keys + ["value", "runs"]
+    cols = keys + ["value", "runs", "commit"]
     for row in rows:
         for k in keys:
             row.setdefault(k, None)
@@ -414,8 +433,12 @@ def claims_table(tables):
         within=None,
         note="",
         interval=None,
+        basis=None,
     ):
         d, w = _agree(paper_ratio, interval)
+        # what the verdict rests on: the fewest runs pooled into any of its figures, and their code
+        runs = int(basis["runs"].min()) if basis is not None and "runs" in basis else None
+        commits = ", ".join(sorted(set(basis["commit"]) - {""})) if basis is not None and "commit" in basis else ""
         rows.append(
             dict(
                 claim=claim,
@@ -428,6 +451,8 @@ def claims_table(tables):
                 ratio_high=None if interval is None else interval[1],
                 direction=direction or d,
                 within_tolerance=within or w,
+                runs=runs,
+                commit=commits,
                 note=note,
                 source=source,
             )
@@ -455,6 +480,7 @@ def claims_table(tables):
                     v[64] / v[8],
                     "tables/design",
                     interval=_ratio_interval(tuple(spread.loc[64]), tuple(spread.loc[8])),
+                    basis=gi.loc[[8, 64]],
                 )
         kt = g[g["measure"] == "kernel"].set_index("variant")
         k = kt["value"]
@@ -473,6 +499,7 @@ def claims_table(tables):
                 k["loop_quantized_matmul"] / k["gather_qmm"],
                 "tables/design",
                 interval=kernel_interval("loop_quantized_matmul", "gather_qmm"),
+                basis=kt.loc[["loop_quantized_matmul", "gather_qmm"]],
             )
             add(
                 "restack vs gather_qmm (restack / gather_qmm)",
@@ -483,6 +510,7 @@ def claims_table(tables):
                 k["restack_gather_qmm"] / k["gather_qmm"],
                 "tables/design",
                 interval=kernel_interval("restack_gather_qmm", "gather_qmm"),
+                basis=kt.loc[["restack_gather_qmm", "gather_qmm"]],
             )
         par = g[g["measure"] == "parity"]
         for model, gp in par.groupby("model", sort=True):
@@ -499,6 +527,7 @@ def claims_table(tables):
                     "tables/design",
                     direction=ok,
                     within="n/a (exact)",
+                    basis=gp,
                 )
 
     bench = usable("bench")
@@ -517,6 +546,7 @@ def claims_table(tables):
                 p / a_,
                 "tables/bench",
                 note="pread summed over the reader threads of a batch of 8 misses",
+                basis=g[g["figure"].isin(keys)],
             )
 
     sync = usable("sync_ablation")
@@ -542,6 +572,7 @@ def claims_table(tables):
                 (v.loc["per_miss", "tok_s_min"], v.loc["per_miss", "tok_s_max"]),
             ),
             note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens",
+            basis=v.loc[["per_miss", "batched"]],
         )
         add(
             f"stall halved by batching ({pset}; {model}, {inst}; batched / per-miss)",
@@ -556,6 +587,7 @@ def claims_table(tables):
                 (v.loc["per_miss", "stall_ms_per_token_min"], v.loc["per_miss", "stall_ms_per_token_max"]),
             ),
             note=f"{int(v.loc['batched', 'misses'])} misses in {int(v.loc['batched', 'tokens'])} tokens",
+            basis=v.loc[["per_miss", "batched"]],
         )
 
     wire = usable("wire_ablation")
@@ -581,6 +613,7 @@ def claims_table(tables):
             "tables/wire_ablation",
             direction=ok,
             within="n/a (exact)",
+            basis=v.loc[["model", "float16"]],
         )
     cols = [
         "claim",
@@ -593,6 +626,8 @@ def claims_table(tables):
         "ratio_high",
         "direction",
         "within_tolerance",
+        "runs",
+        "commit",
         "note",
         "source",
     ]
@@ -606,7 +641,9 @@ non-zero where it is not); `within_tolerance`: the ratio is within a factor of {
 paper's. Each is decided from the spread of the repetitions: `ratio_low`..`ratio_high` is the range
 the ratio takes over the two figures' min..max, and a verdict is `yes` or `no` only when that whole
 range lies on one side, `unresolved` otherwise (and for single runs, which have no spread).
-Generated from results/raw/ by workflow/scripts/aggregate.py.
+Every run of the latest commit that measured a figure is pooled into it (the median of their
+figures, the widest range): `runs` is the fewest runs behind any figure of a claim, `commit` the
+code they ran. Generated from results/raw/ by workflow/scripts/aggregate.py.
 """
 
 
@@ -623,6 +660,8 @@ def write_claims(df, path):
         "paper_ratio",
         "direction",
         "within_tolerance",
+        "runs",
+        "commit",
         "note",
     ]
     lines = [CLAIMS_HEADER, "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -672,7 +711,6 @@ def suite_table(recs):
                 **machine_cols(r),
                 scope="the whole suite" if args in (["tests"], ["tests/"]) else f"{len(args)} test files",
                 engine_tree=res["engine_tree"][:12],
-                commit=(r["commit"] or "")[:12],
                 dirty=r["dirty"],
                 **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
                 failures="; ".join(f["test"] for f in res["failures"]),
@@ -690,7 +728,7 @@ def determinism_table(recs):
     figs = ("cuda_graphs", "model", "deterministic", "max_abs_diff", "nan", "steps")
     rows = [
         dict(**machine_cols(r), **{k: r["result"][k] for k in figs}, repetitions=r["result"]["runs"])
-        | dict(commit=r["commit"][:12], started_utc=r["started_utc"], run_id=r["run_id"])
+        | dict(started_utc=r["started_utc"], run_id=r["run_id"])
         for r in recs
         if "error" not in r["result"]
     ]
