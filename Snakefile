@@ -5,7 +5,7 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "workflow/config/default.yaml"
+configfile: "configs/default.yaml"
 
 
 include: "workflow/rules/common.smk"

@@ -138,7 +138,7 @@ def test_tables_are_byte_identical_from_the_same_logs(tmp_path):
 
 def test_bad_config_fails_before_any_job_naming_the_field(tmp_path):
 
-    cfg = yaml.safe_load((ROOT / "workflow/config/default.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     cfg["prefetch_online"]["tiers"] = ["page_cache", "ssd"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(cfg))
@@ -160,7 +160,7 @@ def test_bad_config_fails_before_any_job_naming_the_field(tmp_path):
 def test_values_a_model_cannot_take_fail_at_planning_naming_the_key(tmp_path, section, key, value, says):
     """The schema allows them; the models do not (every model of the default profile has 64 experts,
     top-8 and 4 layers): refused before any job, by key."""
-    cfg = yaml.safe_load((ROOT / "workflow/config/default.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     cfg[section][key] = value
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(cfg))
@@ -169,7 +169,7 @@ def test_values_a_model_cannot_take_fail_at_planning_naming_the_key(tmp_path, se
 
 
 def test_paper_profile_refuses_without_weights():
-    r = snakemake("-n", "all", "--configfile", "workflow/config/paper.yaml")
+    r = snakemake("-n", "all", "--configfile", "configs/paper.yaml")
     assert r.returncode != 0
     assert "no pinned revision" in (r.stdout + r.stderr)
 
