@@ -187,9 +187,9 @@ def test_the_run_agreement_sentence_names_a_reversal_and_only_it(tmp_path):
     assert docblocks.run_agreement(tmp_path / "nothing") == "No two full runs of `all` on one machine are recorded yet."
 
 
-def bench_rows(rows):
+def bench_rows(rows, run_id="20261202T000000000Z-aaaaaa"):
     cols = ["device", "chip", "host", "bench", "model", "tier", "slots", "prompt_set", "tokens", "figure", "value"]
-    return pd.DataFrame([dict(zip(cols, r)) for r in rows], columns=cols)
+    return pd.DataFrame([dict(zip(cols, r), run_id=run_id) for r in rows], columns=cols + ["run_id"])
 
 
 def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much_one_was_missed():
@@ -209,7 +209,17 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     assert "S = 8 0.70× [0.60, 0.80], 118 tok/s, target 0.4 met, `pinned` 0.15×" in text
     assert "S = 16 0.58× [0.50, 0.70], 118 tok/s, target 0.6 missed within the spread" in text
     assert "S = 32 0.66× [0.60, 0.70], 118 tok/s, target 0.75 missed by 0.09" in text
+    assert "oracle" not in text  # no prefetch bench on the device: not said
     assert "no throughput record" in docblocks.device_install(bench_rows([]))
+    # the oracle's prefetch, from one run of `bench prefetch` (another run's figures never mixed in)
+    pf = ("gpu", "H200", "h", "prefetch", "olmoe-1b-7b-shape", "page_cache", 16, "general", 32)
+    figs = {"tok_s[resident/d0/device]": 200.0, "tok_s[none/d0/device]": 160.0, "tok_s[oracle/d1/device]": 80.0,
+            "tok_s[oracle/d2/device]": 100.0}  # fmt: skip
+    older = bench_rows([(*pf, "tok_s[oracle/d1/device]", 190.0)], run_id="20261201T000000000Z-bbbbbb")
+    newer = bench_rows([(*pf, k, v) for k, v in figs.items()])
+    text = docblocks.device_install(pd.concat([bench_rows(rows), newer, older]))
+    assert "the oracle's prefetch at S = 16 0.50× at its best depth (d = 2), target 0.8 missed by 0.30" in text
+    assert "demand loading 0.80× in the same run" in text
 
 
 def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():

@@ -368,7 +368,7 @@ def bench_table(recs):
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
     keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]
-    cols = keys + ["value", "runs", "commit"]
+    cols = keys + ["value", "runs", "commit", "run_id"]  # run_id: the latest run's, to read one run's figures together
     for row in rows:
         for k in keys:
             row.setdefault(k, None)
