@@ -115,7 +115,9 @@ for step in "$@"; do
               --predictors probe transition popularity --depths 1 --min-probs 0 0.25 --prompts 3 --tokens 32 --record ;;
     install) run $py -m harness bench install --record --repeats 3 ;;
     syncfree)  # the device install (issue 29) beside the pinned path, resident and mlx-lm, one interleaved run each
-          run $py -m harness bench throughput --model $full --tokens 32 --repeats 5 --slots 8 16 32 \
+          # 128 tokens a repeat: at 32 (0.15 s) the machine's own drift between repeats was larger
+          # than the differences measured (docs/gpu.md)
+          run $py -m harness bench throughput --model $full --tokens 128 --repeats 5 --slots 8 16 32 \
             --installs device pinned --loop mlx-lm --record
           run $py -m harness bench throughput --model $full --tokens 32 --repeats 3 --slots 16 \
             --installs device pinned --record  # the engine's loop: the per-token split (graph, eval)
