@@ -103,7 +103,7 @@ def test_the_expert_store_is_its_own_job_that_the_timed_jobs_wait_for():
 
 def test_a_sweep_for_a_model_not_swept_is_refused_by_name(tmp_path):
     cfg = tmp_path / "c.yaml"
-    merged = yaml.safe_load((ROOT / "workflow" / "config" / "default.yaml").read_text())
+    merged = yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
     merged["prefetch_online"]["by_model"] = {"olmoe-tiny-typo": {"slots": [8]}}
     cfg.write_text(yaml.safe_dump(merged))
     r = snakemake("-n", "gate_c", "--configfile", str(cfg))
