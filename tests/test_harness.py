@@ -4,6 +4,7 @@ and refuses malformed lines, and a bad configuration fails before any job runs."
 import getpass
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +18,9 @@ from harness import provenance, rawlog
 
 sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
 import aggregate  # noqa: E402
+
+# A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
+FULL_RUN_FILE = re.compile(r"[0-9a-f]{12}(-dirty)?-host-")
 
 
 def fake_run(root, gate="C", experiment="prefetch_online", n=2, **result):
@@ -553,7 +557,7 @@ def test_the_claims_check_reports_a_changed_verdict_and_only_it(tmp_path):
     first = "c8af1fee9518-host-443118812e"
     raw, check = tmp_path / "raw", tmp_path / "check"
     for f in (ROOT / "results" / "raw").rglob("*.jsonl"):
-        if f.name.startswith("e40ef486cf60-"):  # the later full run: c8af1fe is then the last
+        if FULL_RUN_FILE.match(f.name) and not f.name.startswith(first):  # every other full run: this one is the last
             continue
         dst = raw / f.relative_to(ROOT / "results" / "raw")
         dst.parent.mkdir(parents=True, exist_ok=True)
