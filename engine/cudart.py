@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -93,6 +94,39 @@ class CudaRuntime:
 
     def synchronize(self):
         self.check(self.lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+class Registration:
+    """A NumPy array's memory registered as mapped pinned memory (`device_ptr`, the address the
+    device reads it at) until `release()` or until the registration itself is collected.
+
+    The registration holds the array, so its pages cannot go back to the allocator while they are
+    registered. (On the H200, an engine dropped without close() left its range registered over
+    memory NumPy had freed; a later host allocation that straddled it made MLX's own
+    host-to-device copies fail with "invalid argument".) Work still queued on the device may read
+    the memory through `device_ptr`, so the release waits for it first."""
+
+    def __init__(self, host, rt: "CudaRuntime | None" = None):
+        rt = rt or runtime()
+        self.nbytes = host.nbytes
+        self.device_ptr = rt.host_register(host.ctypes.data, host.nbytes)
+        self._release = weakref.finalize(self, _unregister, rt, host)
+        self._release.atexit = False  # at exit the process's registrations end with it
+
+    @property
+    def registered(self) -> bool:
+        return self._release.alive
+
+    def release(self):
+        self._release()
+
+
+def _unregister(rt: "CudaRuntime", host):
+    # MLX's queued work first (mx.synchronize commits this thread's stream), then every stream's,
+    # a prefetch stream's included: a collection may run this in any thread.
+    mx.synchronize()
+    rt.synchronize()
+    rt.host_unregister(host.ctypes.data)
 
 
 _RUNTIME = None

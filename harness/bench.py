@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from engine import api, device, load
+from engine import api, cudart, device, load
 from engine.cli import positive, probability
 from engine.config import EngineConfig
 from engine.models import registry
@@ -291,7 +291,7 @@ class _PinnedFloor:
 
         self.rt, self.store, self.pool = staging.runtime(), store, pool
         self.host = staging.aligned_empty(k * store.record_bytes).reshape(k, store.record_bytes)
-        self.rt.host_register(self.host.ctypes.data, self.host.nbytes)
+        self.registration = cudart.Registration(self.host, self.rt)
         self.dev = self.rt.malloc(self.host.nbytes)
 
     def run(self, layer, experts):
@@ -306,7 +306,7 @@ class _PinnedFloor:
 
     def close(self):
         self.rt.free(self.dev)
-        self.rt.host_unregister(self.host.ctypes.data)
+        self.registration.release()
 
 
 def miss(a):

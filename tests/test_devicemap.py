@@ -3,6 +3,9 @@ operations against a NumPy model of the algorithm, the engine on it bit-identica
 slot count, no host read inside a decode token, the host tier's checks, and on a CUDA GPU the
 kernels against the operations."""
 
+import gc
+import weakref
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -365,6 +368,22 @@ def test_stream_generate_through_the_device_install_gives_mlx_lms_tokens():
         finally:
             eng.close()
         assert got == want, slots
+
+
+def test_an_engine_dropped_without_close_gives_its_host_tier_back():
+    """The tier (on a CUDA GPU registered, pinned host memory) goes with the last engine reading
+    it, closed or not; a later engine fills a new one."""
+    eng = load("olmoe-tiny", EngineConfig(slots=16, install="device"))
+    tier = weakref.ref(eng.cache.tier)
+    del eng
+    gc.collect()
+    assert tier() is None and not hosttier._SHARED
+    again = load("olmoe-tiny", EngineConfig(slots=16, install="device"))
+    try:
+        assert again.cache.tier.users == 1
+    finally:
+        again.close()
+    assert not hosttier._SHARED
 
 
 def test_engines_of_one_store_share_its_host_tier():

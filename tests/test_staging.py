@@ -7,6 +7,8 @@ before its copy has run is caught here too (the control test shows the check can
 """
 
 import concurrent.futures
+import gc
+import weakref
 
 import mlx.core as mx
 import mlx_lm
@@ -321,6 +323,59 @@ def test_closing_an_engine_while_its_next_token_is_queued_is_safe(pinned, instal
     finally:
         eng.close()
     assert (mx.arange(8) * 2).sum().item() == 56  # the process's device still computes
+
+
+class _Runtime:
+    """The CUDA runtime calls a registration makes, recorded with whether its memory was still there."""
+
+    def __init__(self):
+        self.calls, self.memory = [], None
+
+    def host_register(self, ptr, nbytes):
+        self.calls.append(("register", nbytes))
+        return ptr
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+    def host_unregister(self, ptr):
+        self.calls.append(("unregister", self.memory() is not None))
+
+
+@pytest.mark.parametrize("how", ["release", "collection"])
+def test_registered_memory_is_not_freed_before_it_is_unregistered(how):
+    """An engine dropped without close() left its pinned range registered over memory NumPy had
+    freed; on the H200 a later host allocation that straddled it made MLX's own host-to-device
+    copies fail ("invalid argument"). A registration holds its memory, waits for the device's
+    queued work, then unregisters it once, whether it is released or collected."""
+    rt = _Runtime()
+    host = staging.aligned_empty(3 * staging.PAGE)
+    rt.memory = weakref.ref(host.base)
+    reg = cudart.Registration(host, rt)
+    del host
+    gc.collect()
+    assert rt.memory() is not None and reg.registered
+    if how == "release":
+        reg.release()
+        assert not reg.registered
+    del reg
+    gc.collect()
+    assert rt.calls == [("register", 3 * staging.PAGE), ("synchronize",), ("unregister", True)]
+    assert rt.memory() is None
+
+
+def test_an_engine_dropped_without_close_gives_its_pinned_memory_back(pinned):
+    eng = load("qwen3moe-tiny", EngineConfig(slots=8, install="pinned"))
+    prompt = mx.array(eng.tokenizer.encode("def fibonacci(n):"))
+    for _ in generate_step(prompt, eng.model, max_tokens=4):
+        pass
+    memory = weakref.ref(eng.cache.staging.memory)
+    registration = getattr(memory(), "registration", None)  # on a CUDA GPU
+    released = registration._release if registration else None
+    del eng, registration
+    gc.collect()
+    assert memory() is None
+    assert released is None or not released.alive
 
 
 def test_pinned_miss_accounting(pinned):

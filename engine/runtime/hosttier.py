@@ -13,6 +13,7 @@ filled by one `preadv` and the store's CRC-32 checks it on the way in.
 import os
 import sys
 import time
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -75,6 +76,7 @@ class HostTier:
             )
         self.cuda = cuda
         self.device_ptr = None
+        self.users = 0  # engines reading it (acquire/release)
         if cuda:
             self.rows = aligned_empty(self.nbytes).reshape(-1, self.record_bytes)
             self.array = None
@@ -85,7 +87,8 @@ class HostTier:
         if cuda:
             rt = cudart.runtime()
             t0 = time.perf_counter()
-            self.device_ptr = rt.host_register(self.rows.ctypes.data, self.nbytes)
+            self.registration = cudart.Registration(self.rows, rt)
+            self.device_ptr = self.registration.device_ptr
             self.register_seconds = time.perf_counter() - t0
             # 8 bytes: MLX's CUDA allocator serves it from its small pool, which the device reads in place
             self.base = mx.array(np.array([self.device_ptr], np.uint64))
@@ -111,29 +114,30 @@ class HostTier:
 
     def close(self):
         if self.device_ptr is not None:
-            cudart.runtime().host_unregister(self.rows.ctypes.data)
+            self.registration.release()
             self.device_ptr = None
 
 
-_SHARED = {}  # (store folder, cuda) -> [HostTier, users]
+# (store folder, cuda) -> HostTier. Weak: a tier whose engines were dropped without close() goes
+# with the last of them (its registration's finalizer unregisters its memory first).
+_SHARED = weakref.WeakValueDictionary()
 
 
 def acquire(store, cuda: bool) -> HostTier:
     """The host tier of `store`'s folder, shared by every engine of this process that decodes the
     same store (a bench loads several): filled and registered once, freed with its last user."""
     key = (str(store.path.resolve()), cuda)
-    if key not in _SHARED:
-        _SHARED[key] = [HostTier(store, cuda), 0]
-    _SHARED[key][1] += 1
-    return _SHARED[key][0]
+    tier = _SHARED.get(key)
+    if tier is None:
+        tier = _SHARED[key] = HostTier(store, cuda)
+    tier.users += 1
+    return tier
 
 
 def release(tier: HostTier):
-    for key, entry in list(_SHARED.items()):
-        if entry[0] is tier:
-            entry[1] -= 1
-            if entry[1] == 0:
-                tier.close()
+    tier.users -= 1
+    if tier.users <= 0:
+        for key, other in list(_SHARED.items()):
+            if other is tier:
                 del _SHARED[key]
-            return
-    tier.close()  # not a shared one
+        tier.close()

@@ -117,8 +117,8 @@ class CudaMemory:
         self.rt = runtime()
         self.record_bytes, self.tensors = record_bytes, list(tensors)
         self.host = aligned_empty(records * record_bytes).reshape(records, record_bytes)
-        self.ptr = self.host.ctypes.data
-        self.device_ptr = self.rt.host_register(self.ptr, self.host.nbytes)
+        self.registration = cudart.Registration(self.host, self.rt)
+        self.device_ptr = self.registration.device_ptr
         # 8 bytes: MLX's CUDA allocator serves it from its small pool, which the device reads in
         # place (cudaMemAdviseSetAccessedBy) instead of migrating pages.
         self.base = mx.array(np.array([self.device_ptr], np.uint64))
@@ -142,9 +142,7 @@ class CudaMemory:
         return outs[:-1], outs[-1]
 
     def close(self):
-        if self.ptr:
-            self.rt.host_unregister(self.ptr)
-            self.ptr = 0
+        self.registration.release()
 
 
 class HostMemory:
