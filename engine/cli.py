@@ -10,76 +10,26 @@ from pathlib import Path
 
 from . import api, serve, versions
 from . import generate as generation
+from .arguments import (
+    ERRORS,
+    memory_size,
+    non_negative,
+    non_negative_float,
+    positive,
+    probability,
+    seconds,
+    seed,
+)
 from .config import EngineConfig, build_lock, resources_dir
 from .device import kind as device_kind
-from .memory import fmt, parse_size
+from .memory import fmt
 from .models import embedded, registry, train
 from .models.anatomy import expert_params, moe_blocks, top_k_of
 from .predict import predictors, prompts
 from .runtime import store as store_mod
 from .runtime.engine import open_store, store_dir
 from .runtime.loop import MemoryWatch, decode, summarize
-from .runtime.staging import StagingError
 from .tracing import fitting, trace
-
-
-def positive(value: str) -> int:
-    n = _int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
-    return n
-
-
-def non_negative(value: str) -> int:
-    n = _int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {n}")
-    return n
-
-
-def probability(value: str) -> float:
-    q = _float(value)
-    if not 0.0 <= q <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], not {q}")
-    return q
-
-
-def memory_size(value: str) -> int:
-    try:
-        n = parse_size(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, not {value!r}")
-    return n
-
-
-def seed(value: str) -> int:
-    n = _int(value)
-    if not 0 <= n <= api.SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must lie within 0..2**64-1, not {n}")
-    return n
-
-
-def seconds(value: str) -> float:
-    x = _float(value)
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {value}")
-    return x
-
-
-def _float(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-
-
-def _int(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
 
 
 def add_engine_args(p):
@@ -172,13 +122,6 @@ def add_generation_args(p):
         help="apply the tokenizer's chat template (default: when the model has one)",
     )
     chat.add_argument("--no-chat", dest="chat", action="store_false", help="use the prompt as it is")
-
-
-def non_negative_float(value: str) -> float:
-    x = _float(value)
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
-    return x
 
 
 def engine_config(a) -> EngineConfig:
@@ -512,17 +455,6 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("version", help="this node's mlx, mlx-lm and engine versions and device, as JSON")
     p.set_defaults(fn=cmd_version)
     return ap
-
-
-ERRORS = (
-    registry.RegistryError,
-    embedded.BuildError,
-    store_mod.StoreError,
-    trace.TraceError,
-    StagingError,
-    ValueError,
-    FileNotFoundError,
-)
 
 
 def main(argv=None):

@@ -50,7 +50,7 @@ def default_install(device_kind: str | None = None) -> str:
 
 
 def one_array(device_kind: str | None = None) -> bool:
-    """Whether copy mode makes a batch's arrays as one MLX array (moe.records_to_mx says why)."""
+    """Whether copy mode makes a batch's arrays as one MLX array (installs.records_to_mx says why)."""
     return (device_kind or kind()) == "gpu"
 
 

@@ -10,7 +10,7 @@ python -m harness suite --check              # whether the landed engine/ tree h
 import argparse
 import sys
 
-from engine.cli import ERRORS
+from engine.arguments import ERRORS
 from engine.models import registry, train
 
 from . import bench, inventory, provenance, rawlog, suite

@@ -22,15 +22,15 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 from engine import api, cudart, device, load
-from engine.cli import positive, probability
+from engine.arguments import positive, probability
 from engine.config import EngineConfig
 from engine.models import registry
 from engine.predict import prompts
 from engine.predict.predictors import FITTED
 from engine.runtime import staging
 from engine.runtime.engine import build_cache, open_store
+from engine.runtime.installs import records_to_mx
 from engine.runtime.loop import call_split, decode, model_bytes, summarize, time_split, totals
-from engine.runtime.moe import records_to_mx
 from engine.runtime.slots import SlotTable
 from engine.tracing import trace
 
@@ -657,7 +657,7 @@ def serve(a):
 
 
 def check_args(a):
-    """The options against the model, before anything is built or measured (engine.cli.check_args)."""
+    """The options against the model, before anything is built or measured (as engine.cli.check_args does)."""
     model = model_of(a)
     shape = registry.shape(model)
     for s in a.slots:

@@ -13,7 +13,7 @@ import pytest
 from conftest import ON_GPU, needs_git, run_engine
 
 from engine import EngineConfig, device, load, max_abs_diff
-from engine.runtime import moe
+from engine.runtime import installs
 from engine.runtime.slots import SlotTable
 from engine.runtime.store import TensorSpec
 from harness import bench, provenance
@@ -76,8 +76,8 @@ def test_copy_misses_bit_identical_with_either_array_path(reference, monkeypatch
     paths run here (bfloat16 tensors included), with misses and evictions, and change no logit."""
     monkeypatch.setattr(device, "kind", lambda: kind)
     made = []
-    real = moe.records_to_mx
-    monkeypatch.setattr(moe, "records_to_mx", lambda b, t, one: made.append(one) or real(b, t, one))
+    real = installs.records_to_mx
+    monkeypatch.setattr(installs, "records_to_mx", lambda b, t, one: made.append(one) or real(b, t, one))
     ref = reference("qwen3moe-tiny")
     _, logits, counters = run_engine("qwen3moe-tiny", ref, slots=32, install="copy")
     assert counters["misses"] > 0 and counters["evictions"] > 0

@@ -139,3 +139,66 @@ def test_the_decode_path_never_reaches_tracing_or_fitting():
     for f in sorted((ENGINE / "runtime").glob("*.py")):
         for mod, line, _ in imports(f):
             assert not mod.startswith(("engine.tracing", "engine.api")), f"{f.relative_to(ROOT)}:{line} imports {mod}"
+
+
+def _counter_writes():
+    """(file, line, class) of every write of a StepStats counter in the library: an assignment to
+    `<...>.stats.<field>` or to `st.<field>` (the caches' local name for their stats)."""
+    from engine.runtime.moe import StepStats
+
+    counters = set(StepStats.__dataclass_fields__)
+    out = []
+    for f in FILES:
+        tree = ast.parse(f.read_text())
+
+        def visit(node, cls, f=f):
+            for child in ast.iter_child_nodes(node):
+                inner = child.name if isinstance(child, ast.ClassDef) else cls
+                targets = []
+                if isinstance(child, ast.AugAssign):
+                    targets = [child.target]
+                elif isinstance(child, ast.Assign):
+                    targets = child.targets
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr in counters:
+                        base = ast.unparse(t.value)
+                        if base == "st" or base.endswith("stats"):
+                            out.append((f.relative_to(ROOT), child.lineno, cls))
+                visit(child, inner, f)
+
+        visit(tree, None)
+    return out
+
+
+def test_the_cache_is_the_only_writer_of_its_counters():
+    """The install and the prefetcher return their timings; the layer's switch reports its waits
+    through the cache's methods: only the caches write a token's counters."""
+    writes = _counter_writes()
+    assert writes, "the scan finds the caches' own writes"
+    assert {cls for _, _, cls in writes} <= {"ExpertCache", "DeviceCache"}, writes
+
+
+def test_moe_steers_no_install_by_its_name():
+    """Each install is an object (engine.runtime.installs) with one interface: the layer's step
+    never asks which install it has."""
+    src = (ENGINE / "runtime" / "moe.py").read_text()
+    branches = [
+        n.lineno
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.Compare)
+        and "install_mode" in ast.unparse(n)
+        or isinstance(n, ast.Compare)
+        and any(isinstance(c, ast.Constant) and c.value in ("inplace", "copy", "pinned") for c in n.comparators)
+    ]
+    assert not branches, f"engine/runtime/moe.py compares install names at lines {branches}"
+
+
+def test_the_experiments_never_import_the_engines_command_line():
+    """The argument types and the errors a command reports are engine.arguments, which both
+    command lines use; engine.cli is a front door, not a library."""
+    found = []
+    for f in sorted((ROOT / "harness").rglob("*.py")) + sorted((ROOT / "workflow").rglob("*.py")):
+        for mod, line, _ in imports(f):
+            if mod == "engine.cli" or mod.startswith("engine.cli."):
+                found.append(f"{f.relative_to(ROOT)}:{line}")
+    assert not found, found

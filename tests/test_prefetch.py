@@ -82,7 +82,7 @@ def test_the_probe_scores_each_token_on_the_device_with_the_routers_indices(refe
         def predict_and_issue(self, layer, experts, scores, cache):
             if cache.rows == 1:
                 handed.append(scores)
-            super().predict_and_issue(layer, experts, scores, cache)
+            return super().predict_and_issue(layer, experts, scores, cache)
 
     eng = load("qwen3moe-tiny", EngineConfig(slots=32, install=HOST_INSTALL), prefetcher=Spy(pred, 1))
     layers = len(eng.tables)

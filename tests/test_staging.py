@@ -167,7 +167,7 @@ def test_pinned_says_why_and_falls_back_on_the_cpu(capsys):
     assert device.resolve_install("auto") == "inplace"
     eng = load("olmoe-tiny", EngineConfig(slots=16, install="pinned"))
     try:
-        assert {t.install_mode for t in eng.tables} == {"inplace"} and eng.cache.staging is None
+        assert {t.install_mode for t in eng.tables} == {"inplace"} and eng.cache.install.name == "inplace"
     finally:
         eng.close()
 
@@ -261,7 +261,7 @@ def _decode_qwen_small(ref):
     eng = load("qwen3moe-tiny", EngineConfig(slots=16, install="pinned", staging_records=8))
     try:
         _, _, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
-        return logits, eng.cache.staging.waits
+        return logits, eng.cache.install.pool.waits
     finally:
         eng.close()
 
@@ -369,7 +369,7 @@ def test_an_engine_dropped_without_close_gives_its_pinned_memory_back(pinned):
     prompt = mx.array(eng.tokenizer.encode("def fibonacci(n):"))
     for _ in generate_step(prompt, eng.model, max_tokens=4):
         pass
-    memory = weakref.ref(eng.cache.staging.memory)
+    memory = weakref.ref(eng.cache.install.pool.memory)
     registration = getattr(memory(), "registration", None)  # on a CUDA GPU
     released = registration._release if registration else None
     del eng, registration

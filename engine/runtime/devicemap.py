@@ -539,6 +539,10 @@ class DeviceCache:
         """The experts resident in `layer`'s slots (reads the map back)."""
         return np.array(self.states[layer].expert_in)
 
+    def chunked(self, calls: int):
+        """A layer's rows needed `calls` calls over the table (a prefill on a small table)."""
+        self.stats.chunks += calls - 1
+
     def close(self):
         # Fill kernels still queued (mlx-lm's generate_step evaluates the next token ahead, a
         # prefetch runs on its own stream) read the host tier through its mapped address: once
@@ -591,7 +595,7 @@ class DeviceSwitchGLU(OffloadedSwitch):
         d = x.shape[-1]
         parts, out = [], None
         calls = prefill_calls(flat, S, device.rows_alike())
-        cache.stats.chunks += len(calls) - 1  # as moe.ExpertCache counts them
+        cache.chunked(len(calls))
         for call in calls:
             masked = np.full(pairs.size, -1, np.int32)
             masked[call.pairs] = pairs[call.pairs]

@@ -15,9 +15,8 @@ import numpy as np
 
 from .. import device
 from ..models.anatomy import set_param
-from . import staging
-from .slots import SlotTable, mx_dtype
-from .store import NP_DTYPES
+from . import installs
+from .slots import SlotTable
 
 
 @dataclass
@@ -52,64 +51,23 @@ class StepStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def records_to_mx(block: np.ndarray, tensors, one_array: bool) -> list:
-    """Copy mode: each expert's tensors as MLX arrays, from a block of records (one row per
-    expert, as the store reads them).
-
-    `one_array` (a GPU's path): one MLX array holds the whole block, so one allocation and one
-    host-to-device transfer per batch. On the CPU the per-tensor arrays are the cheaper ones.
-    `python -m engine bench install` measures both (its `diagnosis_ms`; figures in the README)."""
-    n, stride = block.shape
-    if one_array:
-        flat = mx.array(block.reshape(-1))
-        return [
-            [
-                flat[i * stride + t.offset : i * stride + t.offset + t.nbytes].view(mx_dtype(t.dtype)).reshape(t.shape)
-                for t in tensors
-            ]
-            for i in range(n)
-        ]
-    out = []
-    for row in block:
-        arrays = []
-        for t in tensors:
-            a = mx.array(row[t.offset : t.offset + t.nbytes].view(NP_DTYPES[t.dtype]).reshape(t.shape))
-            arrays.append(a.view(mx_dtype(t.dtype)) if t.dtype == "bfloat16" else a)
-        out.append(arrays)
-    return out
-
-
-@dataclass
-class Destination:
-    """Where a read lands: a slot (inplace), a host record (copy) or a staging record (pinned)."""
-
-    buffers: list  # what the read is given: the slot's tensor views, or one record buffer
-    slot: int = -1
-    record: np.ndarray | None = None
-    staged: int = -1
-
-
 # `batched`: a layer's misses are read together (in the decode thread when they are small, on the
-# reader threads otherwise: ExpertCache.read) and installed lazily (Algorithm 1);
+# reader threads otherwise: installs.Install.read) and installed lazily (Algorithm 1);
 # `per_miss`: the paper's first version, kept for its ablation: one miss at a time, each read on a
 # reader thread and the slot table evaluated after it, whatever the default path does.
 SYNC_MODES = ("batched", "per_miss")
-# The largest batch of reads done in the decode thread rather than handed to the reader threads:
-# below it a hand-off is not repaid by reading in parallel. A choice, not a calibration: the sync
-# ablation's records on the development CPU (the workflow's run s27-sync-cpu) show batches of
-# 30 kB experts gain by it; full-size experts (3.5 MB) keep the threads; not measured on a GPU.
-INLINE_BYTES = 1 << 20
 
 
 class ExpertCache:
     """The engine-wide half of Algorithm 1: makes a layer's experts resident.
 
-    Holds the store, one slot table per MoE layer and the prefetcher, and accounts every read
-    (demand or prefetched) of every token: hits, misses, bytes, stall and prefetch counts in
-    `stats`, and each table's counters.
+    Holds the store, one slot table per MoE layer, the install (how a read becomes a slot's bytes:
+    engine.runtime.installs) and the prefetcher, and accounts every read (demand or prefetched) of
+    every token: hits, misses, bytes, stall and prefetch counts in `stats`, and each table's
+    counters. It is the only writer of both: the install and the prefetcher return their timings.
     """
 
-    def __init__(self, store, tables, prefetcher, sync="batched", staging_records=64, overlap=True):
+    def __init__(self, store, tables, prefetcher, sync="batched", staging_records=64, overlap=True, install=None):
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         self.sync = sync
@@ -120,15 +78,12 @@ class ExpertCache:
         self.stats = StepStats()
         self.position, self.rows = 0, 1
         self.history = [None] * len(tables)  # per layer, the most recent token's experts
-        self.one_array = device.one_array()  # how copy mode makes arrays (records_to_mx)
-        self.staging = None
-        if any(t.install_mode == "pinned" for t in tables):
-            self.staging = staging.StagingPool(
-                staging_records,
-                store.record_bytes,
-                store.tensors,
-                staging.make_memory(staging_records, store.record_bytes, store.tensors),
-            )
+        modes = {t.install_mode for t in tables}
+        if install is None:
+            if len(modes) != 1:
+                raise ValueError(f"one install for every table of a cache, not {sorted(modes)}")
+            install = installs.make(modes.pop(), store, device.one_array(), staging_records)
+        self.install = install
 
     def reset_layer(self, layer: int, slots: int):
         """A fresh, empty slot table of `slots` for `layer` (a multi-node move re-fills it)."""
@@ -141,26 +96,20 @@ class ExpertCache:
         self.position, self.rows = position, rows
         self.stats.reset()
 
+    def synced(self, seconds: float):
+        """The decode thread waited `seconds` at a layer's host synchronisation."""
+        self.stats.sync_s += seconds
+
+    def chunked(self, calls: int):
+        """A layer's rows needed `calls` calls over the table (a prefill on a small table)."""
+        self.stats.chunks += calls - 1
+
     def fill(self, layer: int):
         """Load every expert of a layer into slot e = expert e (the S = E table)."""
         table = self.tables[layer]
         for e in range(table.num_experts):
             table.claim(e)
-        if table.install_mode == "inplace":
-            futures = self.store.submit_many(layer, [(e, table.dests(e)) for e in range(table.num_experts)])
-            for f in futures:
-                f.result()
-        elif table.install_mode == "pinned":
-            self.read_staged(layer, list(range(table.num_experts)), list(range(table.num_experts)))
-            mx.eval(table.buffers)
-        else:
-            batch = 8  # bounds the host records held at once
-            for first in range(0, table.num_experts, batch):
-                experts = range(first, min(first + batch, table.num_experts))
-                block, _ = self.store.read_block(layer, experts)
-                for e, arrays in zip(experts, records_to_mx(block, table.tensors, self.one_array)):
-                    table.install_arrays(e, arrays)
-                mx.eval(table.buffers)
+        self.install.fill(table, layer)
         table.bytes_read += table.num_experts * self.store.expert_bytes
 
     def ensure(self, layer: int, experts: np.ndarray, scores=None, last=None):
@@ -170,7 +119,7 @@ class ExpertCache:
         table, st = self.tables[layer], self.stats
         # line 12: install finished prefetches; wait for in-flight experts we need (late)
         need = set(experts.tolist())
-        drained = self.prefetcher.drain(layer, need, can_abandon=table.install_mode == "pinned")
+        drained = self.prefetcher.drain(layer, need, can_abandon=self.install.can_abandon)
         if drained is not None:
             self.absorb(layer, drained, need)
         # line 13: predict and issue layer l+d's prefetch before this layer's compute; when l+d
@@ -178,7 +127,7 @@ class ExpertCache:
         depth = self.prefetcher.depth
         onto_itself = depth > 0 and depth % len(self.tables) == 0
         if not onto_itself:
-            self.prefetcher.predict_and_issue(layer, experts, scores, self)
+            st.predict_s += self.prefetcher.predict_and_issue(layer, experts, scores, self)
         self.history[layer] = experts if last is None else last
         # line 14: read the misses as one batch and install them
         resident = table.slot_of[experts] >= 0
@@ -190,47 +139,37 @@ class ExpertCache:
         if misses:
             self.read_misses(layer, misses, protected=set(experts.tolist()))
         if onto_itself:
-            self.prefetcher.predict_and_issue(layer, experts, scores, self)
+            st.predict_s += self.prefetcher.predict_and_issue(layer, experts, scores, self)
+
+    # -- what a prefetcher may ask of the cache (prefetch.Prefetcher.issue) --------------------------
+    def resident(self, layer: int) -> np.ndarray:
+        """Each expert's slot in `layer` (-1: not resident)."""
+        return self.tables[layer].slot_of
+
+    def hint(self, layer: int, experts: list):
+        """The predictor's experts for `layer` (an eviction policy may keep them)."""
+        self.tables[layer].hint(experts)
 
     def reserve(self, layer: int, experts, protected) -> list:
         """Destinations for prefetched reads of `experts` into `layer`, in order, as many as there
         is room for (a slot outside `protected`; a staging record beyond those kept for demand)."""
-        table, dests = self.tables[layer], []
-        if table.install_mode == "inplace":
-            for e in experts:
-                try:
-                    slot = table.claim(e, protected)
-                except RuntimeError:
-                    break
-                dests.append(Destination(table.dests(slot), slot=slot))
-        elif table.install_mode == "pinned":
-            pool = self.staging
-            n = min(len(experts), pool.available() - pool.window)
-            if n > 0:
-                dests = [Destination([pool.view(r)[: self.store.expert_bytes]], staged=r) for r in pool.acquire(n)]
-        else:
-            for _ in experts:
-                record = self.store.empty_record()
-                dests.append(Destination([record], record=record))
+        dests = self.install.reserve(self.tables[layer], experts, protected)
         self.stats.issued += len(dests)
         return dests
 
-    def _free(self, table, flight):
-        """Give back what a read that will never be installed held."""
-        if flight.dest.slot >= 0:
-            table.release(flight.expert)
-        if flight.dest.staged >= 0:
-            self.staging.discard([flight.dest.staged])
+    def submit(self, layer: int, reads) -> list:
+        """Start prefetched reads `reads` = [(expert, destination)] on the reader threads."""
+        return self.store.submit_many(layer, [(e, d.buffers) for e, d in reads], prefetch=True)
 
     def absorb(self, layer: int, drained, need: set):
         """Install and account what a drain of `layer` found (prefetch.Drained)."""
-        table, st, nbytes = self.tables[layer], self.stats, self.store.expert_bytes
+        table, st, nbytes, install = self.tables[layer], self.stats, self.store.expert_bytes, self.install
         for f in drained.dropped:
-            self._free(table, f)
+            install.discard(table, f)
         for f in drained.failed:
-            self._free(table, f)
+            install.discard(table, f)
         for f in drained.abandoned:  # its bytes are read, into a record nothing will read
-            self.staging.abandon(f.dest.staged, f.future)
+            install.abandon(f.dest, f.future)
         read = drained.arrived + drained.abandoned
         useful = sum(f.expert in need for f in drained.arrived)
         st.cancelled += len(drained.dropped)
@@ -241,11 +180,11 @@ class ExpertCache:
         st.late_stall_s += drained.late_stall_s
         table.bytes_read += len(read) * nbytes
         st.bytes_read += len(read) * nbytes
-        placed, slots = [], []
-        if table.install_mode in ("copy", "pinned") and drained.arrived:
-            # These paths read into host records before a slot is chosen, so an arrival this layer
-            # does not use may find every slot held by one it does (S = top_k): it is not placed
-            # (already counted wasted). The used ones go first so that none is left out.
+        if not install.claims_first and drained.arrived:
+            # These installs read into host records before a slot is chosen, so an arrival this
+            # layer does not use may find every slot held by one it does (S = top_k): it is not
+            # placed (already counted wasted). The used ones go first so that none is left out.
+            placed, slots = [], []
             t0 = time.perf_counter()
             for f in sorted(drained.arrived, key=lambda f: f.expert not in need):
                 try:
@@ -254,22 +193,11 @@ class ExpertCache:
                 except RuntimeError:
                     if f.expert in need:
                         raise
-                    self._free(table, f)
+                    install.discard(table, f)
             st.install_s += time.perf_counter() - t0
-        if table.install_mode == "copy":
-            for f, slot in zip(placed, slots):
-                t0 = time.perf_counter()
-                arrays = records_to_mx(f.dest.record[None], table.tensors, self.one_array)[0]
-                t1 = time.perf_counter()
-                table.install_arrays(slot, arrays)
-                st.array_s += t1 - t0
-                st.install_s += time.perf_counter() - t1
-        elif table.install_mode == "pinned" and placed:
-            t1 = time.perf_counter()
-            for b in range(0, len(slots), staging.BATCH):
-                batch = placed[b : b + staging.BATCH]
-                table.install_batch(slots[b : b + staging.BATCH], self.staging.copy([f.dest.staged for f in batch]))
-            st.array_s += time.perf_counter() - t1
+            array_s, install_s = install.place(table, placed, slots)
+            st.array_s += array_s
+            st.install_s += install_s
         if drained.failed:
             raise drained.failed[0].future.exception()
 
@@ -288,92 +216,27 @@ class ExpertCache:
         slots = [table.claim(e, protected) for e in misses]
         t1 = time.perf_counter()
         try:
-            if table.install_mode == "inplace":
-                seconds = self.read(layer, [(e, table.dests(s)) for e, s in zip(misses, slots)], inline=not evaluate)
-                t2 = t3 = time.perf_counter()
-            elif table.install_mode == "pinned":
-                seconds, wait_s, copy_s = self.read_staged(layer, misses, slots, inline=not evaluate)
-                t2 = t1 + wait_s
-                t3 = t2 + copy_s
-            else:
-                block = store.empty_block(len(misses))
-                seconds = self.read(
-                    layer, [(e, [row[: store.expert_bytes]]) for e, row in zip(misses, block)], not evaluate
-                )
-                t2 = time.perf_counter()
-                arrays = records_to_mx(block, table.tensors, self.one_array)
-                t3 = time.perf_counter()
-                for s, arrs in zip(slots, arrays):
-                    table.install_arrays(s, arrs)
+            loaded = self.install.load(table, layer, misses, slots, inline=not evaluate)
             if evaluate:
                 mx.eval(table.buffers)
         except BaseException:
             for e in misses:
                 table.release(e)
             raise
-        t4 = time.perf_counter()
+        t2 = time.perf_counter()
         n = len(misses)
         table.misses += n
         table.bytes_read += n * store.expert_bytes
         st.misses += n
         st.bytes_read += n * store.expert_bytes
-        st.stall_s += t2 - t1
-        st.pread_s += sum(seconds)
-        st.array_s += t3 - t2
-        st.install_s += (t1 - t0) + (t4 - t3)
-
-    def read(self, layer: int, reads, inline: bool = True) -> list:
-        """Read `reads` = [(expert, destinations)] of one layer; returns each read's seconds. A batch
-        of at most INLINE_BYTES is read in the decode thread, one `preadv` after another: for small
-        experts handing reads to the reader threads costs more than the reads (issue 32: the
-        batched path lost to the per-miss ablation on olmoe-tiny-f32; `snakemake claims_check`
-        shows it); larger batches go to the reader threads, which read them at once. Without
-        `inline` every read goes to a reader thread (the paper's first version, which the per-miss
-        ablation keeps)."""
-        store = self.store
-        if inline and len(reads) * store.expert_bytes <= INLINE_BYTES:
-            return [store.read_into(layer, e, dests) for e, dests in reads]
-        futures = store.submit_many(layer, reads)
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel() or f.exception()
-            raise
-
-    def read_staged(self, layer: int, experts, slots, inline: bool = True):
-        """Pinned mode: read `experts` into staging records on the reader threads and install them
-        into `slots`, one copy kernel and one scatter per tensor for each batch of up to
-        `staging.BATCH` (all lazily: nothing here waits for the device). Returns the read
-        seconds, the time spent waiting for reads and the time spent enqueueing copies."""
-        table, store, pool = self.tables[layer], self.store, self.staging
-        seconds, wait_s, copy_s = [], 0.0, 0.0
-        for lo in range(0, len(experts), pool.window):
-            exps, sls = experts[lo : lo + pool.window], slots[lo : lo + pool.window]
-            t0 = time.perf_counter()
-            recs = pool.acquire(len(exps))
-            try:
-                seconds += self.read(
-                    layer, [(e, [pool.view(r)[: store.expert_bytes]]) for e, r in zip(exps, recs)], inline
-                )
-            except BaseException:
-                pool.discard(recs)
-                raise
-            t1 = time.perf_counter()
-            for b in range(0, len(recs), staging.BATCH):
-                table.install_batch(sls[b : b + staging.BATCH], pool.copy(recs[b : b + staging.BATCH]))
-            wait_s += t1 - t0
-            copy_s += time.perf_counter() - t1
-        return seconds, wait_s, copy_s
+        st.stall_s += loaded.wait_s
+        st.pread_s += sum(loaded.seconds)
+        st.array_s += loaded.array_s
+        st.install_s += (t1 - t0) + (t2 - t1 - loaded.wait_s - loaded.array_s)
 
     def close(self):
         self.prefetcher.close()
-        if self.staging is not None:
-            # Copy kernels still queued (a decode loop evaluates its next token ahead) read the
-            # records through their mapped addresses: those must outlive them.
-            mx.synchronize()
-            self.staging.close()
-            self.staging = None
+        self.install.close()
 
 
 def expert_batches(indices: np.ndarray, slots: int) -> list:
@@ -448,7 +311,7 @@ class SlotSwitchGLU(OffloadedSwitch):
             scores = both[ids.size :].view(np.float32)
         else:
             idx = np.array(indices)  # line 11: the one unavoidable synchronisation
-        cache.stats.sync_s += time.perf_counter() - t0
+        cache.synced(time.perf_counter() - t0)
         k, d = idx.shape[-1], x.shape[-1]
         flat = idx.reshape(-1, k)
         experts, last = np.unique(flat), np.sort(flat[-1])
@@ -486,7 +349,7 @@ class SlotSwitchGLU(OffloadedSwitch):
                 y = self.glu(x, mx.array(slots.astype(dtype).reshape(idx.shape)))
                 out = y if out is None else mx.where(mx.array(keep.reshape(idx.shape))[..., None], y, out)
                 mx.eval(out)
-        cache.stats.chunks += len(calls) - 1
+        cache.chunked(len(calls))
         if out is not None:
             return out
         back = mx.array(np.argsort(np.concatenate([c.pairs for c in calls])))

@@ -6,12 +6,14 @@ layer l+d's experts and issue their reads on the store's reader threads) before 
 misses are read and its kernels are dispatched, so the reads overlap the next d layers' compute.
 
 The prefetcher owns the reads in flight and decides what to wait for; the cache owns every
-slot, record and count: it gives each issued read its destination (`ExpertCache.reserve`) and
-takes back what a drain found (`Drained`, `ExpertCache.absorb`), installing and accounting it.
-In the `inplace` install mode an issued expert claims its slot at once and its read lands
-there; in `copy` mode it lands in a host record, in `pinned` mode in a staging record, and is
-installed at the drain. A wasted read still running in pinned mode is left to finish on its own
-(its record is freed once it has) instead of being waited for. A read that failed is raised in
+slot, record and count. A prefetcher asks the cache only what is resident (`resident`), hints
+its prediction (`hint`), asks for destinations (`reserve`) and starts reads into them (`submit`);
+a drain hands back what it found (`Drained`, which `ExpertCache.absorb` installs and accounts),
+and predicting returns its seconds for the cache to count. In the `inplace` install an issued
+expert claims its slot at once and its read lands there; in `copy` it lands in a host record,
+in `pinned` in a staging record, and is installed at the drain (engine.runtime.installs). A
+wasted read still running in the pinned install is left to finish on its own (its record is
+freed once it has) instead of being waited for. A read that failed is raised in
 the decode thread at the drain, never swallowed, never a hang.
 """
 
@@ -30,8 +32,8 @@ class NoPrefetch:
     def drain(self, layer, need, can_abandon=False):
         return None
 
-    def predict_and_issue(self, layer, experts, scores, cache):
-        pass
+    def predict_and_issue(self, layer, experts, scores, cache) -> float:
+        return 0.0
 
     def close(self):
         pass
@@ -97,14 +99,14 @@ class Prefetcher:
             (out.failed if f.future.exception() is not None else out.arrived).append(f)
         return out
 
-    def predict_and_issue(self, layer, experts, scores, cache):
+    def predict_and_issue(self, layer, experts, scores, cache) -> float:
+        """Predict layer l+d's experts and issue their reads; returns the seconds it took (the
+        predictor's host work, which the cache counts)."""
         if cache.rows != 1:
-            return  # prefill: one call over the whole prompt; nothing ahead to overlap
+            return 0.0  # prefill: one call over the whole prompt; nothing ahead to overlap
         t0 = time.perf_counter()
-        try:
-            self._predict_and_issue(layer, experts, scores, cache)
-        finally:
-            cache.stats.predict_s += time.perf_counter() - t0
+        self._predict_and_issue(layer, experts, scores, cache)
+        return time.perf_counter() - t0
 
     def _predict_and_issue(self, layer, experts, scores, cache):
         target, offset = target_of(layer, self.depth, len(cache.tables))
@@ -118,16 +120,16 @@ class Prefetcher:
 
     def issue(self, target, predicted, cache, busy=()):
         predicted = list(dict.fromkeys(int(e) for e in predicted))
-        cache.tables[target].hint(predicted)
+        cache.hint(target, predicted)
         flights = self.inflight.setdefault(target, {})
-        slot_of = cache.tables[target].slot_of
+        slot_of = cache.resident(target)
         wanted = [e for e in predicted if e not in flights and slot_of[e] < 0]
         if not wanted:
             return
         protected = set(flights) | set(predicted) | {int(e) for e in busy}
         # As many as there is room for, the likeliest first: speculative reads never wait for room.
         dests = cache.reserve(target, wanted, protected)
-        futures = cache.store.submit_many(target, [(e, d.buffers) for e, d in zip(wanted, dests)], prefetch=True)
+        futures = cache.submit(target, list(zip(wanted, dests)))
         for e, d, fut in zip(wanted, dests, futures):
             flights[e] = Flight(e, d, fut)
 

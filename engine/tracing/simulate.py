@@ -1,57 +1,87 @@
 """Offline replay of traces: the hit rate a predictor gives at S slots, beside LRU alone and
 Belady's optimal eviction at the same S.
 
-The replay uses the engine's own SlotTable (without buffers) and follows Algorithm 1's order
-at every (token, layer): drain the prefetches issued for this layer, predict and issue layer
-l+d's, then access this token's experts (hits, then misses with eviction).
+The replay drives the engine's own expert cache and prefetcher (engine.runtime.moe.ExpertCache,
+engine.runtime.prefetch) over slot tables without buffers: at every (token, layer) the cache's
+`ensure` follows Algorithm 1's order (drain the prefetches issued for this layer, predict and
+issue layer l+d's, then this token's hits and misses with eviction). Only the bytes are left out:
+no read, and a prefetch has arrived by the time its layer drains it.
 """
+
+import dataclasses
+from concurrent.futures import Future
 
 import numpy as np
 
-from ..predict.predictors import Context, NoPredictor, Oracle, target_of
+from ..predict.predictors import NoPredictor, Oracle
+from ..runtime import installs
+from ..runtime import prefetch as prefetch_mod
+from ..runtime.moe import ExpertCache, StepStats
 from ..runtime.slots import SlotTable
+
+
+class _NoBytes:
+    """The replay's store: experts of no bytes, each read done when it is submitted."""
+
+    expert_bytes = 0
+
+    def submit_many(self, layer, reads, prefetch=False):
+        done = []
+        for _ in reads:
+            f = Future()
+            f.set_result(0.0)
+            done.append(f)
+        return done
+
+
+class _Counted(installs.InplaceInstall):
+    """Slots are claimed as the engine's default install claims them; nothing is read."""
+
+    def fill(self, table, layer):
+        pass
+
+    def load(self, table, layer, misses, slots, inline):
+        return installs.Loaded([], 0.0)
+
+
+class _TraceInput:
+    """The predictor, handed each step's MoE input from the trace (the engine hands a device
+    score instead, which a trace does not have)."""
+
+    def __init__(self, predictor, hidden):
+        self.predictor, self.hidden, self.row = predictor, hidden, 0
+
+    def predict(self, ctx):
+        return self.predictor.predict(
+            dataclasses.replace(ctx, hidden=self.hidden[self.row, ctx.layer].astype(np.float32))
+        )
 
 
 def replay(trace, slots: int, predictor=None, depth: int = 1, eviction: str = "lru") -> dict:
     """Hit rate and prefetch counts of demand loading plus `predictor`, per prompt from cold."""
     predictor = predictor or NoPredictor()
     L, E = trace.num_layers, trace.num_experts
-    hits = misses = issued = useful = 0
+    hits = misses = 0
+    total = StepStats()
+    store = _NoBytes()
     for s in trace.sequences():
         if isinstance(predictor, Oracle):
             predictor.bind(trace.experts[s])
+        given = _TraceInput(predictor, trace.hidden)
+        prefetcher = prefetch_mod.make("none" if isinstance(predictor, NoPredictor) else "replay", depth, given)
         tables = [SlotTable(l, E, slots, [], eviction) for l in range(L)]
-        inflight = [set() for _ in range(L)]
-        history = [None] * L
+        cache = ExpertCache(store, tables, prefetcher, install=_Counted(store))
         for t in range(s.stop - s.start):
-            row = s.start + t
+            given.row = s.start + t
+            cache.begin_step(t, 1)
             for l in range(L):
-                table, U = tables[l], trace.experts[row, l].astype(np.int64)
-                useful += len(inflight[l] & set(U.tolist()))
-                inflight[l].clear()
-                tgt, off = target_of(l, depth, L)
-                if not isinstance(predictor, NoPredictor):
-                    ctx = Context(t, l, tgt, off, U, trace.hidden[row, l].astype(np.float32), history)
-                    pred = [int(e) for e in predictor.predict(ctx)]
-                    tables[tgt].hint(pred)
-                    protected = set(pred) | inflight[tgt]
-                    for e in pred:
-                        if not tables[tgt].resident(e):
-                            try:
-                                tables[tgt].claim(e, protected)
-                            except RuntimeError:
-                                break
-                            inflight[tgt].add(e)
-                            issued += 1
-                resident = table.slot_of[U] >= 0
-                hits += int(resident.sum())
-                misses += int((~resident).sum())
-                table.touch(U[resident])
-                for e in U[~resident]:
-                    table.claim(int(e), set(U.tolist()))
-                history[l] = U
-    total = hits + misses
-    return dict(hit_rate=hits / total, hits=hits, misses=misses, issued=issued, useful=useful)
+                U = trace.experts[given.row, l].astype(np.int64)
+                cache.ensure(l, np.unique(U), last=U)
+            total.add(cache.stats)
+        cache.close()
+        hits += sum(t.hits for t in tables)
+        misses += sum(t.misses for t in tables)
+    return dict(hit_rate=hits / (hits + misses), hits=hits, misses=misses, issued=total.issued, useful=total.useful)
 
 
 def belady(trace, slots: int) -> dict:
