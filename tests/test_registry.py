@@ -40,6 +40,22 @@ def test_shipped_config_is_valid():
     assert models["olmoe-1b-7b-shape"]["hidden"] == 2048 and models["olmoe-1b-7b-shape"]["vocab"] == 50304
 
 
+def test_a_models_file_is_read_again_once_it_changes_and_each_caller_gets_its_own_copy(models_file):
+    """The registry keeps a parsed file while it is unchanged (a workflow asks for specs dozens of
+    times as it builds its DAG), so an edit must show at the next read, and one caller's change
+    to a spec must not reach the next."""
+    first = registry.get_spec("olmoe-tiny")
+    first["experts"] = -1
+    first.setdefault("training", {})["steps"] = -1
+    again = registry.get_spec("olmoe-tiny")
+    assert again["experts"] != -1 and again.get("training", {}).get("steps") != -1
+    edit(models_file, lambda m: m["olmoe-tiny"].update(experts=48))
+    assert registry.get_spec("olmoe-tiny")["experts"] == 48
+    edit(models_file, lambda m: m["olmoe-tiny"].update(experts="many"))
+    with pytest.raises(RegistryError, match=r"models\.olmoe-tiny\.experts"):
+        registry.get_spec("olmoe-tiny")
+
+
 def test_unknown_model_lists_known():
     with pytest.raises(RegistryError, match=r"unknown model 'mixtral'.*olmoe-tiny"):
         registry.get_spec("mixtral")

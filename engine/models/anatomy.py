@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes
 
 # The expert containers of mlx-lm's MoE blocks: every per-expert tensor lives in one of these.
 SWITCHES = (SwitchGLU, SwitchMLP)
@@ -116,3 +117,13 @@ def set_param(module, name: str, value):
     for key in owner.split(".") if owner else ():
         module = _child(module, key)
     module[leaf] = value
+
+
+def model_classes(config: dict):
+    """mlx-lm's model class and arguments class for a config (its `model_type`, remapped as
+    mlx-lm remaps it), to build a model with no weights on disk (an embedded build, training).
+
+    mlx-lm 0.32.2 has no public function for this: `mlx_lm.utils.load_model` (public) needs a
+    model folder with weights, and its `get_model_classes` parameter defaults to the private
+    `_get_classes`, which this calls. The one place the engine uses a private mlx-lm function."""
+    return _get_classes(config)

@@ -24,10 +24,11 @@ from pydoc_data import topics
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, quantize_model
+from mlx_lm.utils import quantize_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..config import build_lock
+from .anatomy import model_classes
 
 BUILDER_VERSION = 1
 MANIFEST = "titan-build.json"
@@ -99,7 +100,7 @@ def spec_digest(spec) -> str:
 def _shapes(config, mode="affine"):
     """Parameter names, shapes, dtypes and quantization of mlx-lm's model, built lazily."""
 
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
         if mode == "affine":

@@ -34,12 +34,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.utils import _get_classes, quantize_model
+from mlx_lm.utils import quantize_model
 from tokenizers import Tokenizer
 
 from ..config import resources_dir
 from ..predict import prompts
 from . import embedded, registry
+from .anatomy import model_classes
 
 
 def corpus(seed: int, code_bytes: int):
@@ -135,7 +136,7 @@ def train(model_id: str, log_path=None):
     streams, data_digest = data(spec, work)
     mx.random.seed(tr["seed"])
     config = embedded.hf_config(dict(spec, dtype="float32"))
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     mx.eval(model.parameters())
     k, E = spec["top_k"], spec["experts"]
@@ -214,7 +215,7 @@ def save_variant(weights, config, spec, work: Path, data_digest: str) -> Path:
 
     dt = getattr(mx, spec["dtype"])
     cfg = dict(config, torch_dtype=spec["dtype"])
-    model_class, args_class = _get_classes(cfg)
+    model_class, args_class = model_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     model.load_weights([(k, v.astype(dt)) for k, v in weights.items()])
     with contextlib.redirect_stdout(io.StringIO()):
