@@ -15,9 +15,7 @@ import yaml
 from conftest import ROOT, job_stats, snakemake
 
 from harness import provenance, rawlog
-
-sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
-import aggregate  # noqa: E402
+from harness.report import aggregate, claims_check, compare_runs, plotting
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
 FULL_RUN_FILE = re.compile(r"[0-9a-f]{12}(-dirty)?-host-")
@@ -522,7 +520,6 @@ def test_gate_c_rows_keep_each_install_path_apart(tmp_path):
 def test_two_runs_verdicts_are_compared_each_from_its_own_records(tmp_path):
     """compare_runs: run 1 as committed, and a 'second run' that is its copy with one stall made
     ten times worse: exactly the claim that stall decides changes, and nothing else."""
-    import compare_runs
 
     first = "c8af1fee9518-host-443118812e"
     raw = tmp_path / "raw"
@@ -552,7 +549,6 @@ def test_the_claims_check_reports_a_changed_verdict_and_only_it(tmp_path):
     """claims_check: a check run that is the last full run's sync ablation again, with one stall made
     ten times worse, reports exactly the claim that stall decides (yes -> no, a reversal), with
     the full run it was compared with."""
-    import claims_check
 
     first = "c8af1fee9518-host-443118812e"
     raw, check = tmp_path / "raw", tmp_path / "check"
@@ -586,7 +582,6 @@ def test_the_claims_check_reports_a_changed_verdict_and_only_it(tmp_path):
 
 
 def compare_runs_of(name, run):
-    import compare_runs
 
     return compare_runs.of_run(name, run)
 
@@ -637,7 +632,6 @@ def test_the_answer_figure_takes_the_best_fitted_predictor_at_each_s(tmp_path, m
     """prediction_pays: at every S below E, demand loading, whichever fitted predictor (any depth,
     any floor) decoded fastest at that S, and the best oracle depth; a token's time split into
     the parts its record measured and the rest."""
-    import plotting
 
     rows = [
         _gate_c_row(8, "none", 80.0, depth=0),
@@ -706,7 +700,6 @@ def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
 
 
 def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path, monkeypatch):
-    import plotting
 
     figdir = tmp_path / "figures"
     (figdir / "tables").mkdir(parents=True)

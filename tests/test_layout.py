@@ -4,6 +4,7 @@ each other without a cycle, and it reads no file from outside its own package.""
 import ast
 from pathlib import Path
 
+import yaml
 from conftest import ROOT
 
 ENGINE = ROOT / "engine"
@@ -213,3 +214,26 @@ def test_one_module_uses_a_private_mlx_lm_function():
             if mod.startswith("mlx_lm") and mod.rsplit(".", 1)[-1].startswith("_"):
                 private.append((str(f.relative_to(ROOT)), mod))
     assert private == [("engine/models/anatomy.py", "mlx_lm.utils._get_classes")], private
+
+
+def test_the_workflow_imports_the_installed_packages():
+    """The rules' scripts and the Snakefile's modules import `engine` and `harness` as installed;
+    none patches `sys.path` (the table and figure layer is the package harness.report)."""
+    workflow = ROOT / "workflow"
+    patched = [
+        str(f.relative_to(ROOT))
+        for f in sorted(workflow.rglob("*.py")) + sorted(workflow.rglob("*.smk")) + [ROOT / "Snakefile"]
+        if "sys.path" in f.read_text()
+    ]
+    assert not patched, patched
+
+
+def test_the_rules_environment_is_pinned_by_the_lock():
+    """`--use-conda` builds the rules' environment from the project with requirements.lock as
+    its constraints: the versions CI runs, not whatever is newest that day."""
+    env = ROOT / "workflow" / "envs" / "titan.yaml"
+    pip = next(d["pip"] for d in yaml.safe_load(env.read_text())["dependencies"] if isinstance(d, dict))
+    constraint = next(line.split(None, 1)[1] for line in pip if line.startswith("-c "))
+    lock = (env.parent / constraint).resolve()
+    assert lock == ROOT / "requirements.lock" and "mlx-lm==" in lock.read_text()
+    assert "-e ../.." in pip

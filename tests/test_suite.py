@@ -1,7 +1,7 @@
 """The test suite as a recorded gate (harness/suite.py): the engine/ tree a run names is git's own,
 a sharded run keeps files whole (but the independent ones) and reports every failure by name, CI's
 line says whether the landed tree has a passing GPU record, and the README's sentence on it is
-generated from the records (workflow/scripts/docblocks.py)."""
+generated from the records (harness/report/docblocks.py)."""
 
 import json
 import re
@@ -13,9 +13,7 @@ import pytest
 from conftest import ROOT, needs_git
 
 from harness import rawlog, suite
-
-sys.path.insert(0, str(ROOT / "workflow" / "scripts"))
-import docblocks  # noqa: E402
+from harness.report import docblocks
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
 FULL_RUN_FILE = re.compile(r"[0-9a-f]{12}(-dirty)?-host-")

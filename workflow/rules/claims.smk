@@ -1,7 +1,7 @@
 rule claims_check:
     # The sync ablation at reduced size (config `claims_check`) under this run id, its claims'
     # verdicts compared with the last full run's on this machine, each change printed with the
-    # commits since (workflow/scripts/claims_check.py). Run it whenever engine/runtime/ changes.
+    # commits since (harness/report/claims_check.py). Run it whenever engine/runtime/ changes.
     input:
         expand(f"{CHECK}/raw/C/sync_ablation/{RUN}-{{model}}-{{pset}}.jsonl",
                model=config.get("claims_check", {}).get("sync", {}).get("models", []),

@@ -12,9 +12,8 @@ validate(config, "../schemas/config.schema.yaml")
 SMOKE = yaml.safe_load((Path(workflow.basedir) / ".test" / "config" / "config.yaml").read_text())
 validate(SMOKE, "../schemas/config.schema.yaml")
 
-sys.path.insert(0, workflow.basedir)
-from engine.models import registry  # noqa: E402
-from harness import provenance  # noqa: E402
+from engine.models import registry
+from harness import provenance
 
 # The interpreter running Snakemake runs the engine too (the project's virtual environment).
 PYTHON = sys.executable

@@ -1,6 +1,6 @@
 rule tables:
     # For the published folder (figures/) the job also rewrites the generated blocks of README.md
-    # and docs/*.md (workflow/scripts/docblocks.py): hand-written pages, so not outputs Snakemake
+    # and docs/*.md (harness/report/docblocks.py): hand-written pages, so not outputs Snakemake
     # could own; CI makes them again and fails on any difference.
     # Every raw file the folder's tables are made from (common.smk, raw_inputs): a new raw file
     # is a new input, so Snakemake says why the tables are made again.

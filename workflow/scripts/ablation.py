@@ -1,12 +1,8 @@
 """The paper's implementation ablations: per-miss synchronisation (gate C) and the wire dtype
 between nodes (gate F)."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-from _common import run_gate  # noqa: E402
-
-from harness import gate_f, online  # noqa: E402
+from harness import gate_f, online
+from harness.report.jobs import run_gate
 
 s, wc = snakemake.params.settings, snakemake.wildcards
 

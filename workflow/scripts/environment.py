@@ -1,11 +1,7 @@
 """Probe this machine (raw, ignored) and regenerate the sanitised inventory."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-from _common import logged  # noqa: E402
-
-from harness import inventory  # noqa: E402
+from harness import inventory
+from harness.report.jobs import logged
 
 with logged(snakemake):
     print(f"probe: {inventory.write_probe()}")

@@ -1,11 +1,7 @@
 """Gate B (design): slot writes, kernel sequences and activation parity; one raw file."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-from _common import run_gate  # noqa: E402
-
-from harness import design  # noqa: E402
+from harness import design
+from harness.report.jobs import run_gate
 
 s = snakemake.params.settings
 

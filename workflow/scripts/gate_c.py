@@ -1,12 +1,8 @@
 """Gate C (prefetch_online): the sweep of one model, tier and prompt set; one raw file."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-from _common import run_gate  # noqa: E402
-
-from engine.config import resources_dir  # noqa: E402
-from harness import online  # noqa: E402
+from engine.config import resources_dir
+from harness import online
+from harness.report.jobs import run_gate
 
 # Scratch for the repetitions a sweep stopped by a time limit had finished (harness.checkpoint):
 # the rerun of this job resumes there. One per output file.

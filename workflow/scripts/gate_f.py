@@ -1,11 +1,7 @@
 """Gate F (placement): the simulated grid or the measured multi-node runs of one model."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-from _common import run_gate  # noqa: E402
-
-from harness import gate_f  # noqa: E402
+from harness import gate_f
+from harness.report.jobs import run_gate
 
 s, wc = snakemake.params.settings, snakemake.wildcards
 fit_tokens = snakemake.params.fit_tokens

@@ -1,12 +1,8 @@
 """Predictor quality on held-out traces: precision, recall and replayed hit rate beside LRU
 and Belady at every S; one raw file per model and prompt set."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-from _common import run_gate  # noqa: E402
-
-from harness import online  # noqa: E402
+from harness import online
+from harness.report.jobs import run_gate
 
 s, wc = snakemake.params.settings, snakemake.wildcards
 run_gate(

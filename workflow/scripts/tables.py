@@ -1,11 +1,7 @@
 """Tables from every raw file under the output tree's raw root."""
 
-import sys
-
-sys.path.insert(0, snakemake.scriptdir)
-import aggregate  # noqa: E402
-import docblocks  # noqa: E402
-from _common import logged  # noqa: E402
+from harness.report import aggregate, docblocks
+from harness.report.jobs import logged
 
 with logged(snakemake):
     tables = aggregate.build(snakemake.params.raw, snakemake.wildcards.figdir)

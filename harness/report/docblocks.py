@@ -13,13 +13,11 @@ difference, so a block can never fall behind its records.
 """
 
 import re
-import sys
 from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import compare_runs  # noqa: E402
+from . import compare_runs
 
 # The run ids `snakemake all` gives itself (`auto`: commit, then host alias): a full run's
 FULL_RUN = re.compile(r"^([0-9a-f]{12})(-dirty)?-(host-[0-9a-f]{10})-")
@@ -197,7 +195,7 @@ def run_agreement(raw) -> str:
         & (df["direction_a"] != df["direction_b"])
     ]
     text = (
-        f"The two latest full runs on one machine, `{a}` and `{b}` (`python workflow/scripts/compare_runs.py "
+        f"The two latest full runs on one machine, `{a}` and `{b}` (`python -m harness.report.compare_runs "
         f"{a} {b}`): of {n} claims both measured, `direction` came out the same in {same['direction']} (decided in "
         f"{decided['a']} and {decided['b']} of them) and `within_tolerance` in {same['within_tolerance']}; "
     )

@@ -10,9 +10,10 @@ import statistics
 from pathlib import Path
 
 import pandas as pd
-from claims import claims_table, write_claims
 
 from harness import rawlog
+
+from .claims import claims_table, write_claims
 
 # The paper's own figures, quoted from shared/seeds/004_f9dda6381342b645.txt (implementation
 # section): for comparison beside what this harness measures, never used as a result.

@@ -271,7 +271,7 @@ the ratio takes over the two figures' min..max, and a verdict is `yes` or `no` o
 range lies on one side, `unresolved` otherwise (and for single runs, which have no spread).
 Every run of the latest commit that measured a figure is pooled into it (the median of their
 figures, the widest range): `runs` is the fewest runs behind any figure of a claim, `commit` the
-code they ran. Generated from results/raw/ by workflow/scripts/aggregate.py and claims.py.
+code they ran. Generated from results/raw/ by harness/report/aggregate.py and claims.py.
 """
 
 

@@ -3,14 +3,13 @@ logs as they stood when that run ended, without the other run (so that, for ever
 both measured, each table is that run's own, whatever ran later), and the verdicts of the claims
 the runs measured are compared.
 
-    python workflow/scripts/compare_runs.py RUN_A RUN_B [--raw results/raw] [--csv OUT.csv]
+    python -m harness.report.compare_runs RUN_A RUN_B [--raw results/raw] [--csv OUT.csv]
 
 Claims made only from records neither run wrote (the benches, another machine) are left out: they
 agree by construction.
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
@@ -18,8 +17,7 @@ import pandas as pd
 
 from harness import rawlog
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import aggregate  # noqa: E402
+from . import aggregate
 
 VERDICTS = ["direction", "within_tolerance"]
 
