@@ -237,3 +237,15 @@ def test_the_rules_environment_is_pinned_by_the_lock():
     lock = (env.parent / constraint).resolve()
     assert lock == ROOT / "requirements.lock" and "mlx-lm==" in lock.read_text()
     assert "-e ../.." in pip
+
+
+def test_the_text_corpus_is_read_in_one_place():
+    """The tokenizers, the training data and the prompt sets all come from engine.predict.corpus
+    (the help topics and the standard library's sources), so a prompt's source name means the
+    same text everywhere and training can leave out every evaluation prompt's source."""
+    readers = [
+        str(f.relative_to(ROOT))
+        for f in FILES
+        if any(mod.startswith(("pydoc_data", "sysconfig")) for mod, _, _ in imports(f))
+    ]
+    assert readers == ["engine/predict/corpus.py"], readers

@@ -350,6 +350,14 @@ def test_fit_and_eval_prompts_are_disjoint():
         assert not {p["id"] for p in fit} & {p["id"] for p in ev}
 
 
+def test_the_shipped_prompt_sets_are_what_the_corpus_makes(tmp_path):
+    """engine/data/prompts/*.jsonl are made from engine.predict.corpus (prompts.write): made
+    again here, byte for byte (a change to the corpus or the cutting shows as a changed file)."""
+    prompts.write(tmp_path)
+    for name in prompts.SETS:
+        assert (tmp_path / f"{name}.jsonl").read_bytes() == (prompts.PROMPT_DIR / f"{name}.jsonl").read_bytes()
+
+
 def test_replay_bounds(fit_traces):
     """Belady bounds LRU from above; the oracle's prefetching beats demand loading."""
     tr = fit_traces("qwen3moe-tiny")

@@ -19,7 +19,6 @@ import struct
 import sys
 import zlib
 from pathlib import Path
-from pydoc_data import topics
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +27,7 @@ from mlx_lm.utils import quantize_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..config import build_lock
+from ..predict import corpus
 from .anatomy import model_classes
 
 BUILDER_VERSION = 1
@@ -208,7 +208,7 @@ def _groups(params):
 def corpus_text() -> str:
     """Prose that ships with Python: the topics of the interactive help, in a fixed order."""
 
-    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return "\n\n".join(text for _, text in corpus.pydoc_topics())
 
 
 def train_tokenizer(vocab_size: int, out: Path, text: str | None = None):

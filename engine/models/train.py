@@ -23,10 +23,8 @@ import json
 import os
 import shutil
 import sys
-import sysconfig
 import time
 from pathlib import Path
-from pydoc_data import topics
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +36,7 @@ from mlx_lm.utils import quantize_model
 from tokenizers import Tokenizer
 
 from ..config import resources_dir
+from ..predict import corpus as text_corpus
 from ..predict import prompts
 from . import embedded, registry
 from .anatomy import model_classes
@@ -47,11 +46,8 @@ def corpus(seed: int, code_bytes: int):
     """(general text, code text), deterministic; eval prompts' sources are left out."""
 
     held_out = {p["source"] for name in prompts.SETS for p in prompts.load(name, "eval")}
-    general = "\n\n".join(
-        topics.topics[k] for k in sorted(topics.topics) if f"pydoc_data.topics[{k!r}]" not in held_out
-    )
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.glob("*.py") if f"Lib/{p.stem}.py" not in held_out)
+    general = "\n\n".join(text for name, text in text_corpus.pydoc_topics() if name not in held_out)
+    files = [path for name, path in text_corpus.stdlib_sources() if name not in held_out]
     rng = np.random.default_rng(seed)
     rng.shuffle(files)
     chunks, total = [], 0

@@ -10,11 +10,10 @@ different topics or modules, so they never share a prompt.
 
 import json
 import re
-import sysconfig
 from pathlib import Path
-from pydoc_data import topics
 
 from ..config import DATA
+from . import corpus
 
 PROMPT_DIR = DATA / "prompts"
 SETS = ("general", "code")
@@ -113,23 +112,22 @@ def _cut(text: str, chars=CHARS) -> str:
 def _general():
 
     out = []
-    for key in sorted(topics.topics):
-        body = topics.topics[key]
+    for name, body in corpus.pydoc_topics():
         paras = [p for p in re.split(r"\n\s*\n", body) if len(p.strip()) > 120 and not p.startswith("   ")]
         if paras:
-            out.append((f"pydoc_data.topics[{key!r}]", _cut(re.sub(r"[ \t]+", " ", paras[0]).strip())))
+            out.append((name, _cut(re.sub(r"[ \t]+", " ", paras[0]).strip())))
     return out
 
 
 def _code():
 
-    lib = Path(sysconfig.get_paths()["stdlib"])
+    lib = corpus.stdlib_dir()
     out = []
     for mod in CODE_MODULES:
         src = (lib / f"{mod}.py").read_text(encoding="utf-8")
         m = re.search(r"^(def |class )", src, re.M)
         if m:
-            out.append((f"Lib/{mod}.py", _cut(src[m.start() :])))
+            out.append((corpus.module_name(mod), _cut(src[m.start() :])))
     return out
 
 
