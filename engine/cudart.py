@@ -108,7 +108,6 @@ class Registration:
 
     def __init__(self, host, rt: "CudaRuntime | None" = None):
         rt = rt or runtime()
-        self.nbytes = host.nbytes
         self.device_ptr = rt.host_register(host.ctypes.data, host.nbytes)
         self._release = weakref.finalize(self, _unregister, rt, host)
         self._release.atexit = False  # at exit the process's registrations end with it

@@ -55,7 +55,7 @@ def records_to_mx(block: np.ndarray, tensors, one_array: bool) -> list:
 
     `one_array` (a GPU's path): one MLX array holds the whole block, so one allocation and one
     host-to-device transfer per batch. On the CPU the per-tensor arrays are the cheaper ones.
-    `python -m engine bench install` measures both (its `diagnosis_ms`; figures in docs/engine.md)."""
+    `python -m harness bench install` measures both (its `diagnosis_ms`; figures in docs/gpu.md)."""
     n, stride = block.shape
     if one_array:
         flat = mx.array(block.reshape(-1))
@@ -271,8 +271,7 @@ class PinnedInstall(Install):
 
     def close(self):
         # Copy kernels still queued (a decode loop evaluates its next token ahead) read the
-        # records through their mapped addresses: those must outlive them.
-        mx.synchronize()
+        # records through their mapped addresses: releasing their registration waits for them.
         self.pool.close()
 
 
