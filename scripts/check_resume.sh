@@ -37,7 +37,16 @@ wait "$pid" 2> /dev/null || true
 before=$(stat -c '%i %Y %s' "$first"; sha256sum < "$first")
 n_before=$(find "$raw" -name "$run*.jsonl" | wc -l)
 echo "killed run $run with $n_before raw file(s) written, first $first"
-"${smk[@]}" > results/logs/resume-second.log 2>&1
+# A failing resume prints its own log's end: CI shows only what this script prints.
+"${smk[@]}" > results/logs/resume-second.log 2>&1 || {
+  echo "resuming run $run failed; the end of results/logs/resume-second.log:" >&2
+  grep -nE -B2 -A12 "^(Error|.*Exception|WorkflowError)" results/logs/resume-second.log | tail -60 >&2
+  tail -20 results/logs/resume-second.log >&2
+  for log in $(grep -oE "log: \S+" results/logs/resume-second.log | awk '{print $2}' | sort -u); do
+    [ -s "$log" ] && grep -qiE "error|traceback" "$log" && { echo "--- $log" >&2; tail -30 "$log" >&2; }
+  done
+  exit 1
+}
 after=$(stat -c '%i %Y %s' "$first"; sha256sum < "$first")
 [ "$before" = "$after" ] || { echo "resuming rewrote $first" >&2; exit 1; }
 grep -q "Missing output files: $first" results/logs/resume-second.log && { echo "$first measured again" >&2; exit 1; }
