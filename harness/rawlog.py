@@ -94,8 +94,10 @@ def read(paths) -> list:
     for p in paths:
         p = Path(p)
         files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
-    out = []
+    out, cwd = [], Path.cwd()
     for f in files:
+        full = f.resolve()
+        name = str(full.relative_to(cwd)) if full.is_relative_to(cwd) else str(f)
         with open(f) as fh:
             for n, line in enumerate(fh, 1):
                 if not line.strip():
@@ -115,7 +117,6 @@ def read(paths) -> list:
                     )
                 if not isinstance(rec["result"], dict):
                     raise RawLogError(f"{f}: line {n}: field result is not an object")
-                full = f.resolve()
-                rec["_file"] = str(full.relative_to(Path.cwd())) if full.is_relative_to(Path.cwd()) else str(f)
+                rec["_file"] = name
                 out.append(rec)
     return out

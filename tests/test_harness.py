@@ -16,6 +16,8 @@ from conftest import ROOT, job_stats, snakemake
 
 from harness import provenance, rawlog
 from harness.report import aggregate, claims_check, compare_runs, plotting
+from harness.report.tables import bench as bench_tables
+from harness.report.tables import online, routing
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
 FULL_RUN_FILE = re.compile(r"[0-9a-f]{12}(-dirty)?-host-")
@@ -297,8 +299,6 @@ def test_readme_is_a_front_door_linking_every_guide_and_result():
     for target in ("docs/engine.md", "docs/gpu.md", "docs/cluster.md", "docs/results.md", "docs/workflow.md",
                    "docs/serve.md", "figures/claims.md"):  # fmt: skip
         assert f"]({target})" in readme and (ROOT / target).exists(), target
-    regenerate = (ROOT / "workflow" / "scripts" / "regenerate.py").read_text()
-    assert "README" not in regenerate
     results = (ROOT / "docs" / "results.md").read_text()
     for png in (
         "design",
@@ -484,7 +484,7 @@ def test_a_run_without_a_floor_joins_the_rows_at_floor_zero(tmp_path):
     fake_run(tmp_path)
     fake_run(tmp_path, min_prob=0.0)
     fake_run(tmp_path, min_prob=0.25)
-    df = aggregate.prefetch_table(rawlog.read([tmp_path]))
+    df = online.prefetch_table(rawlog.read([tmp_path]))
     assert sorted(df["min_prob"].unique()) == [0.0, 0.25]
     assert list(df[df["min_prob"] == 0.0]["runs"]) == [2, 2]
 
@@ -503,7 +503,7 @@ def test_every_trained_model_has_its_latest_curve(tmp_path):
             model=model,
             revision=None,
         )
-    df = aggregate.train_table(rawlog.read([tmp_path]))
+    df = routing.train_table(rawlog.read([tmp_path]))
     assert df.groupby("model").size().to_dict() == {"a": 2, "b": 4}
 
 
@@ -513,7 +513,7 @@ def test_gate_c_rows_keep_each_install_path_apart(tmp_path):
     fake_run(tmp_path)  # no install: a CPU's default then, inplace
     fake_run(tmp_path, install="inplace")
     fake_run(tmp_path, install="copy")
-    df = aggregate.prefetch_table(rawlog.read([tmp_path]))
+    df = online.prefetch_table(rawlog.read([tmp_path]))
     assert df.groupby("install")["runs"].max().to_dict() == {"copy": 1, "inplace": 2}
 
 
@@ -657,9 +657,15 @@ def test_the_answer_figure_takes_the_best_fitted_predictor_at_each_s(tmp_path, m
     figdir = tmp_path / "figures"
     (figdir / "tables").mkdir(parents=True)
     pd.DataFrame(rows).to_csv(figdir / "tables" / "prefetch_online.csv", index=False)
-    monkeypatch.setattr(plotting, "_empty", lambda *a: pytest.fail(f"drew the no-results card: {a}"))
-    plotting.prediction_pays(figdir)
+    with monkeypatch.context() as m:
+        m.setattr(plotting, "_empty", lambda *a: pytest.fail(f"drew the no-results card: {a}"))
+        plotting.prediction_pays(figdir, trained=["olmoe-wide-trained"])
     assert (figdir / "prediction_pays.png").exists()
+    # a model whose routing was not learnt is no question for this figure
+    cards = []
+    monkeypatch.setattr(plotting, "_empty", lambda *a: cards.append(a))
+    plotting.prediction_pays(figdir, trained=["olmoe-trained"])
+    assert cards == [(figdir, "prediction_pays", "gate C results on a trained model")]
 
 
 def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
@@ -684,7 +690,7 @@ def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
             prefill_bytes_read={"S=16": 7.9e6},
         ),
     )
-    df = aggregate.bench_table([old, new]).set_index("figure")
+    df = bench_tables.bench_table([old, new]).set_index("figure")
     # a prefill measured beside the decode (runs before it was measured have none)
     assert df.loc["prefill_tok_s[S=16/pinned]", "value"] == 610.0
     assert df.loc["prefill_bytes_read[S=16/pinned]", "value"] == 7.9e6 and "prefill_tok_s[S=16/copy]" not in df.index
@@ -695,7 +701,7 @@ def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
     assert "tok_s[S=16]" not in df.index
     # a run of shorter decodes is another figure, not a newer run of this one
     short = rec("2026-11-30T22", dict(tokens=16, tok_s={"S=16": 30.0}, install={"S=16": "pinned"}))
-    df = aggregate.bench_table([old, new, short]).set_index(["figure", "tokens"])
+    df = bench_tables.bench_table([old, new, short]).set_index(["figure", "tokens"])
     assert df.loc[("tok_s[S=16/pinned]", 32), "value"] == 42.0 and df.loc[("tok_s[S=16/pinned]", 16), "value"] == 30.0
 
 

@@ -2,10 +2,15 @@
 each other without a cycle, and it reads no file from outside its own package."""
 
 import ast
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
 from conftest import ROOT
+
+from harness.report import tables
 
 ENGINE = ROOT / "engine"
 
@@ -249,3 +254,27 @@ def test_the_text_corpus_is_read_in_one_place():
         if any(mod.startswith(("pydoc_data", "sysconfig")) for mod, _, _ in imports(f))
     ]
     assert readers == ["engine/predict/corpus.py"], readers
+
+
+def test_the_figure_jobs_import_no_engine():
+    """Drawing reads tables only: the plots job's modules import neither the engine nor MLX (the
+    workflow tells it which models are trained), so redrawing costs what matplotlib costs."""
+    code = (
+        "import sys, harness.report.plotting, harness.report.joblog; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'mlx', 'mlx_lm')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_each_table_has_a_module_and_the_workflow_writes_them_all():
+    """One module a gate or kind of record under harness/report/tables/; `tables.TABLES` names
+    every table the workflow declares (common.smk's TABLES), the claims table made from the rest."""
+    smk = (ROOT / "workflow" / "rules" / "common.smk").read_text()
+    declared = re.search(r"^TABLES = \[(.*?)\]", smk, re.S | re.M).group(1)
+    assert [*tables.TABLES, "claims"] == re.findall(r'"([a-z_]+)"', declared)
+    homes = {name: table.__module__ for name, (_, table) in tables.TABLES.items()}
+    assert all(m.startswith("harness.report.tables.") for m in homes.values()), homes
+    aggregate = ROOT / "harness" / "report" / "aggregate.py"
+    assert not [n for n in ast.parse(aggregate.read_text()).body if isinstance(n, ast.FunctionDef)
+                and n.name.endswith("_table")]  # fmt: skip

@@ -12,24 +12,24 @@ goes from yes to no (or back) is what a change to the engine shows.
 
 import argparse
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from harness import provenance, rawlog
 
-from . import aggregate, compare_runs, docblocks
+from . import compare_runs, docblocks, tables
 
 VERDICTS = compare_runs.VERDICTS
 
 
-def last_full_run(raw: Path, host: str | None) -> str | None:
-    """The full run of `all` on `host` (None: on any machine) whose records ended last."""
+def last_full_run(raw: Path, records: dict, host: str | None) -> str | None:
+    """The full run of `all` on `host` (None: on any machine) whose records (`records`: the raw
+    files' under `raw`) ended last."""
     runs = {r: h for r, (h, _) in docblocks.full_runs(raw).items() if host is None or h == host}
     if not runs:
         return None
-    ends = compare_runs.run_ends(raw, list(runs))
+    ends = compare_runs.run_ends(records, list(runs))
     return max(runs, key=lambda r: ends[r])
 
 
@@ -37,13 +37,12 @@ def check(raw: Path, check_raw: Path, host: str | None) -> tuple[str | None, pd.
     """(the full run compared with, one row per claim both measured: both verdicts and ratio
     ranges, `changed`, `reversed`). `host`: the machine whose last full run is the reference (None:
     the last full run of any machine)."""
-    full = last_full_run(raw, host)
+    records = compare_runs.read_by_file(raw)
+    full = last_full_run(raw, records, host)
     if full is None:
         return None, pd.DataFrame()
-    records = {f: rawlog.read([f]) for f in sorted(raw.rglob("*.jsonl"))}
-    with tempfile.TemporaryDirectory() as ta, tempfile.TemporaryDirectory() as tb:
-        a = compare_runs.claims_as_of(raw, records, full, "", Path(ta))
-        b = aggregate.build(check_raw, Path(tb) / "figures")["claims"]
+    a = compare_runs.claims_as_of(records, full, "")
+    b = tables.make(rawlog.read([check_raw]) if Path(check_raw).exists() else [])["claims"]
     # the full run's own machine(s) only (the tables also hold other machines' rows); the same
     # host alias may have changed chips, so the claims are matched by name and both machines said
     a = a[a["machine"].isin(compare_runs.machines_of(raw, records, full))]

@@ -10,14 +10,14 @@ agree by construction.
 """
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import pandas as pd
 
 from harness import rawlog
 
-from . import aggregate
+from . import tables
+from .tables.common import machine_cols
 
 VERDICTS = ["direction", "within_tolerance"]
 
@@ -26,27 +26,31 @@ def of_run(name: str, run: str) -> bool:
     return name == f"{run}.jsonl" or name.startswith(f"{run}-")
 
 
-def claims_as_of(raw: Path, records: dict, run: str, other: str, work: Path) -> pd.DataFrame:
-    """The claims table from the raw files under `raw` (`records`: file -> its records) that had
-    begun by the time `run` ended, except the other run's (linked, not copied)."""
+def claims_as_of(records: dict, run: str, other: str) -> pd.DataFrame:
+    """The claims table from the raw files (`records`: file -> its records) that had begun by the
+    time `run` ended, except the other run's."""
     end = max(r["finished_utc"] for f, recs in records.items() if of_run(f.name, run) for r in recs)
-    root = work / "raw"
-    for f, recs in sorted(records.items()):
-        if of_run(f.name, other) or min(r["started_utc"] for r in recs) > end:
-            continue
-        dst = root / f.relative_to(raw)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.symlink_to(f.resolve())
-    return aggregate.build(root, work / "figures")["claims"]
+    kept = [
+        r
+        for f, recs in sorted(records.items())
+        if not of_run(f.name, other) and min(r["started_utc"] for r in recs) <= end
+        for r in recs
+    ]
+    return tables.make(kept)["claims"]
 
 
-def run_ends(raw: Path, runs: list) -> dict:
-    """{run: when its last record finished} from the raw files under `raw`."""
+def read_by_file(raw: Path) -> dict:
+    """{file: its records} for every raw file under `raw`, each read once."""
+    return {f: rawlog.read([f]) for f in sorted(raw.rglob("*.jsonl"))}
+
+
+def run_ends(records: dict, runs: list) -> dict:
+    """{run: when its last record finished} from the raw files' records (`read_by_file`)."""
     ends = dict.fromkeys(runs, "")
-    for f in sorted(raw.rglob("*.jsonl")):
+    for f, recs in records.items():
         for run in runs:
             if of_run(f.name, run):
-                ends[run] = max([ends[run]] + [r["finished_utc"] for r in rawlog.read([f])])
+                ends[run] = max([ends[run]] + [r["finished_utc"] for r in recs])
     return ends
 
 
@@ -54,15 +58,16 @@ def machines_of(raw: Path, records: dict, run: str) -> set:
     recs = [r for f, rs in records.items() if of_run(f.name, run) for r in rs]
     if not recs:
         raise SystemExit(f"no raw file of run {run!r} under {raw}")
-    return {f"{r['device']} {aggregate.machine_cols(r)['chip']}" for r in recs}
+    return {f"{r['device']} {machine_cols(r)['chip']}" for r in recs}
 
 
-def compare(raw: Path, run_a: str, run_b: str) -> pd.DataFrame:
-    records = {f: rawlog.read([f]) for f in sorted(raw.rglob("*.jsonl"))}  # each file read once
+def compare(raw: Path, run_a: str, run_b: str, records: dict | None = None) -> pd.DataFrame:
+    """Both runs' verdicts on every claim both measured on a machine they share (`records`: the
+    raw files' records, if already read)."""
+    records = read_by_file(raw) if records is None else records
     machines = machines_of(raw, records, run_a) & machines_of(raw, records, run_b)
-    with tempfile.TemporaryDirectory() as ta, tempfile.TemporaryDirectory() as tb:
-        a = claims_as_of(raw, records, run_a, run_b, Path(ta))
-        b = claims_as_of(raw, records, run_b, run_a, Path(tb))
+    a = claims_as_of(records, run_a, run_b)
+    b = claims_as_of(records, run_b, run_a)
     keys = ["claim", "machine"]
     a = a[a["machine"].isin(machines) & (a["source"] != "tables/bench")]
     b = b[b["machine"].isin(machines) & (b["source"] != "tables/bench")]

@@ -1,16 +1,10 @@
-"""Shared by the workflow's scripts: a gate's measurement logged to the rule's log and written
-as one raw file with full provenance (Snakemake runs scripts in a subprocess of its own)."""
-
-import contextlib
+"""Shared by the gates' scripts: a measurement logged to the rule's log and written as one raw
+file with full provenance."""
 
 from engine.models import registry
 from harness import provenance, rawlog
 
-
-@contextlib.contextmanager
-def logged(snakemake):
-    with open(snakemake.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        yield log
+from .joblog import logged
 
 
 def command(snakemake) -> str:

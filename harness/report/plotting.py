@@ -415,17 +415,6 @@ def memory(figdir):
     _save(fig, figdir, "throughput_vs_memory")
 
 
-def _trained(model: str) -> bool:
-    """A model whose routing was learnt (its registry entry has a training recipe): the ones on
-    which whether prediction pays means something."""
-    from engine.models.registry import RegistryError, get_spec
-
-    try:
-        return "training" in get_spec(model)
-    except RegistryError:  # a model no longer registered: its rows stay in the other figures
-        return False
-
-
 # The parts of a token's time the records measure; `other` is the rest of the median token time.
 SPLIT_PARTS = (
     ("sync_ms_per_token", "sync", "C4"),
@@ -463,14 +452,14 @@ def answer_rows(g):
     return pd.DataFrame(rows)
 
 
-def prediction_pays(figdir):
-    """At each S of every trained model on the page-cache tier: demand loading, the best fitted
-    predictor at that S (by median tok/s) and the best oracle depth, beside resident mlx-lm;
-    left tok/s with its spread, right where a token's time goes."""
+def prediction_pays(figdir, trained):
+    """At each S of every trained model (`trained`: the models whose routing was learnt, the ones
+    on which whether prediction pays means something) on the page-cache tier: demand loading, the
+    best fitted predictor at that S (by median tok/s) and the best oracle depth, beside resident
+    mlx-lm; left tok/s with its spread, right where a token's time goes."""
     df = _read(figdir, "prefetch_online")
     if not df.empty:
-        trained = {m: _trained(m) for m in df["model"].unique()}  # the registry read once a model, not once a row
-        df = df[(df["tier"] == "page_cache") & df["model"].map(trained)]
+        df = df[(df["tier"] == "page_cache") & df["model"].isin(list(trained))]
     if df.empty:
         return _empty(figdir, "prediction_pays", "gate C results on a trained model")
     df = df.assign(machine=_machine(df))
@@ -519,7 +508,10 @@ def prediction_pays(figdir):
     _save(fig, figdir, "prediction_pays")
 
 
-def build(figdir):
+def build(figdir, trained):
+    """Every figure from the tables in `figdir`/tables. `trained`: the models whose routing was
+    learnt (the registry's models with a training recipe; the workflow says which, so that drawing
+    needs no engine)."""
     design(figdir)
     _online(figdir, "throughput_vs_slots", "tok_s", "decode tok/s", "Throughput against slots, by predictor")
     _online(figdir, "stall_vs_slots", "stall_ms_per_token", "stall ms per token", "Stall against slots, by predictor")
@@ -529,4 +521,4 @@ def build(figdir):
     train_loss(figdir)
     placement(figdir)
     memory(figdir)
-    prediction_pays(figdir)
+    prediction_pays(figdir, trained)

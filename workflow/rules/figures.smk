@@ -17,6 +17,10 @@ rule plots:
         "results/logs/plots/{figdir}.log",
     conda:
         "../envs/titan.yaml"
+    params:
+        # the models whose routing was learnt (prediction_pays): said here, where the registry is
+        # read anyway, so that the drawing job imports no engine
+        trained=sorted(m for m, s in registry.load_registry().items() if "training" in s),
     script:
         "../scripts/plots.py"
 

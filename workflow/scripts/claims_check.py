@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from harness.report import claims_check
-from harness.report.jobs import logged
+from harness.report.joblog import logged
 
 with logged(snakemake):
     claims_check.main(

@@ -1,7 +1,7 @@
 """Probe this machine (raw, ignored) and regenerate the sanitised inventory."""
 
 from harness import inventory
-from harness.report.jobs import logged
+from harness.report.joblog import logged
 
 with logged(snakemake):
     print(f"probe: {inventory.write_probe()}")

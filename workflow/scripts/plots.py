@@ -1,7 +1,7 @@
 """Figures from the tables only."""
 
 from harness.report import plotting
-from harness.report.jobs import logged
+from harness.report.joblog import logged
 
 with logged(snakemake):
-    plotting.build(snakemake.wildcards.figdir)
+    plotting.build(snakemake.wildcards.figdir, snakemake.params.trained)

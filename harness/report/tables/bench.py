@@ -1,0 +1,103 @@
+"""The engine-core benchmarks (`harness bench`): one row per figure, each a ratio measured in one run."""
+
+import statistics
+
+import pandas as pd
+
+from .common import MACHINE, latest, machine_cols, res_get
+
+
+def throughput_key(rec):
+    """A `bench throughput` configuration's name with its install path: a run of one install named
+    its offloaded configurations `S=16`, and runs of different days' defaults must not share a
+    row. Records from before they named it ran the default of their day (as in online_rows)."""
+    installs = rec["result"].get("install") or {}
+    default = "copy" if rec["device"] == "gpu" else "inplace"
+    # decoded through mlx-lm's own generate_step (`--loop mlx-lm`): another row than the engine's loop
+    loop = "@mlx-lm" if rec["result"].get("loop") == "mlx-lm" else ""
+
+    def key(k):
+        if k.startswith("S=") and k != "S=E" and "/" not in k:
+            return f"{k}/{installs.get(k, default)}{loop}"
+        return f"{k}{loop}"
+
+    return key
+
+
+def bench_table(recs):
+    """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
+    rows = []
+    for r in recs:
+        res, base = (
+            r["result"],
+            dict(
+                **machine_cols(r),
+                bench=res_get(r, "bench"),
+                model=res_get(r, "model"),
+                tokens=res_get(r, "tokens"),  # a decode's length: short ones pay more cold misses a token
+                started_utc=r["started_utc"],
+                run_id=r["run_id"],
+            ),
+        )
+        figs = {}
+        if base["bench"] == "throughput":
+            k_ = throughput_key(r)
+            figs = {f"tok_s[{k_(k)}]": v for k, v in res["tok_s"].items()}
+            for k, sp in res.get("tok_s_spread", {}).items():
+                figs[f"tok_s_min[{k_(k)}]"], figs[f"tok_s_max[{k_(k)}]"] = sp["min"], sp["max"]
+            figs.update({f"x resident[{k_(k)}]": v for k, v in res.get("ratio_vs_resident", {}).items()})
+            runs = res.get("tok_s_runs", {})
+            if res.get("ratio_vs_resident") and "S=E" in runs:
+                figs[f"repeats[{k_('S=E')}]"] = len(runs["S=E"])
+                # Each repeat's ratio to resident decoding in the same repeat (the runs are
+                # interleaved): a machine that drifts between repeats moves both sides of it.
+                for k, v in runs.items():
+                    paired = sorted(a / b for a, b in zip(v, runs["S=E"]))
+                    figs[f"x resident paired[{k_(k)}]"] = statistics.median(paired)
+                    figs[f"x resident paired_min[{k_(k)}]"] = paired[0]
+                    figs[f"x resident paired_max[{k_(k)}]"] = paired[-1]
+            figs.update({f"memory_bytes[{k_(k)}]": v for k, v in res.get("memory_bytes", {}).items()})
+            # a prompt's prefill (records since it was measured): its speed and what it read
+            figs.update({f"prefill_tok_s[{k_(k)}]": v for k, v in res.get("prefill_tok_s", {}).items()})
+            figs.update({f"prefill_bytes_read[{k_(k)}]": v for k, v in res.get("prefill_bytes_read", {}).items()})
+            if res.get("ratio_engine_full_vs_mlx_lm") is not None:  # None: not decoded resident
+                figs["ratio engine S=E / mlx-lm"] = res["ratio_engine_full_vs_mlx_lm"]
+        elif base["bench"] == "miss":
+            figs = {f"per_miss_ms[{k}]": v for k, v in res["per_miss_ms"].items()}
+            figs.update({f"copy_split_ms[{k}]": v for k, v in res.get("copy_split_ms", {}).items()})
+            figs.update({f"split_ms[{k}]": v for k, v in res.get("split_ms", {}).items()})
+            figs.update({f"x raw_preadv[{k}]": v for k, v in res["ratio_vs_raw"].items()})
+            figs.update({f"x raw_preadv_h2d[{k}]": v for k, v in res.get("ratio_vs_raw_h2d", {}).items()})
+            figs.update({f"x pinned floor[{k}]": v for k, v in res.get("ratio_vs_floor", {}).items()})
+            base["tier"] = res["tier"]
+        elif base["bench"] == "install":
+            figs = {f"install_ms[{k}]": v for k, v in res["install_ms"].items()}
+            figs.update({f"S64/S8[{k}]": v for k, v in res["ratio_S64_vs_S8"].items()})
+            figs.update({f"diagnosis_ms[{k}]": v for k, v in res.get("diagnosis_ms", {}).items()})
+        elif base["bench"] == "prefetch":
+            base["tier"], base["slots"] = res["tier"], res["slots"]
+            base["prompt_set"] = res["prompt_set"]
+            for k, v in res["results"].items():
+                k = k if "install" not in res else f"{k}/{v['install']}"
+                figs[f"tok_s[{k}]"] = v["tok_s"]
+                figs[f"stall_ms_per_token[{k}]"] = v["stall_ms_per_token"]
+                if "tok_s_min" in v:
+                    figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
+        elif base["bench"] == "serve":
+            base["slots"] = res["slots"]
+            for k, v in res["servers"].items():
+                figs[f"latency_p50_s[{k}]"], figs[f"latency_p99_s[{k}]"] = v["latency_p50_s"], v["latency_p99_s"]
+                figs[f"tok_s[{k}]"] = statistics.median(v["tok_s"])
+                figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = min(v["tok_s"]), max(v["tok_s"])
+                if v["peak_rss_bytes"]:
+                    figs[f"peak_rss_bytes[{k}]"] = v["peak_rss_bytes"]
+            figs["clients"] = res["clients"]
+        for name, value in figs.items():
+            rows.append(dict(base, figure=name, value=value))
+    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]
+    cols = keys + ["value", "runs", "commit", "run_id"]  # run_id: the latest run's, to read one run's figures together
+    for row in rows:
+        for k in keys:
+            row.setdefault(k, None)
+    df = latest(rows, keys)
+    return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)

@@ -1,0 +1,44 @@
+"""The test suite's recorded runs (`python -m harness suite`) and mlx-lm's own determinism."""
+
+import pandas as pd
+
+from .common import MACHINE, latest, machine_cols
+
+
+def suite_table(recs):
+    """Every recorded run of the test suite (python -m harness suite): where it ran, on which
+    engine/ tree, and what it found."""
+    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "passed", "failed", "errors", "skipped", "xfailed"]
+    cols += ["seconds", "failures", "started_utc", "run_id"]
+    rows = []
+    for r in recs:
+        res = r["result"]
+        args = [a for a in (r.get("config") or {}).get("pytest_args", ["tests"]) if not a.startswith("-")]
+        rows.append(
+            dict(
+                **machine_cols(r),
+                scope="the whole suite" if args in (["tests"], ["tests/"]) else f"{len(args)} test files",
+                engine_tree=res["engine_tree"][:12],
+                dirty=r["dirty"],
+                **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
+                failures="; ".join(f["test"] for f in res["failures"]),
+                started_utc=r["started_utc"],
+                run_id=r["run_id"],
+            )
+        )
+    return pd.DataFrame(rows, columns=cols).sort_values(["started_utc", "run_id"], kind="mergesort")
+
+
+def determinism_table(recs):
+    """Plain mlx-lm run again on the same tokens (scripts/determinism.py): per machine, model and
+    CUDA-graph setting, the largest |Δlogit| over the latest run's repetitions."""
+    keys = MACHINE + ["cuda_graphs", "model"]
+    figs = ("cuda_graphs", "model", "deterministic", "max_abs_diff", "nan", "steps")
+    rows = [
+        dict(**machine_cols(r), **{k: r["result"][k] for k in figs}, repetitions=r["result"]["runs"])
+        | dict(started_utc=r["started_utc"], run_id=r["run_id"])
+        for r in recs
+        if "error" not in r["result"]
+    ]
+    cols = keys + ["deterministic", "max_abs_diff", "nan", "repetitions", "steps", "commit", "runs"]
+    return latest(rows, keys).reindex(columns=cols) if rows else pd.DataFrame(columns=cols)
