@@ -36,12 +36,6 @@ rule figures:
         plots("figures"),
 
 
-rule smoke:
-    input:
-        tables("results/smoke/figures"),
-        plots("results/smoke/figures"),
-
-
 rule gate_b:
     input:
         f"results/raw/B/design/{RUN}.jsonl",

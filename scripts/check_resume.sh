@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Resuming under a per-job executor: the smoke run through cluster-generic (every job in a fresh
-# Snakemake, as on SLURM) is killed once the job that wrote its first raw file has finished, then
-# run again. The second invocation must keep that file as it was, measure only what is missing,
-# and finish.
+# Resuming under a per-job executor: the smoke run (`snakemake --directory .test`, the workflow
+# at its tiniest inside .test/) through cluster-generic (every job in a fresh Snakemake, as on
+# SLURM) is killed once the job that wrote its first raw file has finished, then run again. The
+# second invocation must keep that file as it was, measure only what is missing, and finish.
 # Usage: scripts/check_resume.sh [RUN]   (from the repository root, in its virtual environment)
 set -euo pipefail
 run=${1:-resume-$(date -u +%Y%m%dT%H%M%S)}
-smk=(.venv/bin/snakemake --executor cluster-generic --cluster-generic-submit-cmd bash --jobs 1 smoke
-     --config "run=$run")
-raw=results/smoke/raw
+smk=(.venv/bin/snakemake --directory .test --executor cluster-generic --cluster-generic-submit-cmd bash
+     --jobs 1 --config "run=$run")
+raw=.test/results/raw
 mkdir -p results/logs
 setsid "${smk[@]}" > results/logs/resume-first.log 2>&1 &
 pid=$!
@@ -43,12 +43,13 @@ echo "killed run $run with $n_before raw file(s) written, first $first"
   grep -nE -B2 -A12 "^(Error|.*Exception|WorkflowError)" results/logs/resume-second.log | tail -60 >&2
   tail -20 results/logs/resume-second.log >&2
   for log in $(grep -oE "log: \S+" results/logs/resume-second.log | awk '{print $2}' | sort -u); do
+    log=.test/$log  # the jobs' paths are relative to the working directory
     [ -s "$log" ] && grep -qiE "error|traceback" "$log" && { echo "--- $log" >&2; tail -30 "$log" >&2; }
   done
   exit 1
 }
 after=$(stat -c '%i %Y %s' "$first"; sha256sum < "$first")
 [ "$before" = "$after" ] || { echo "resuming rewrote $first" >&2; exit 1; }
-grep -q "Missing output files: $first" results/logs/resume-second.log && { echo "$first measured again" >&2; exit 1; }
+grep -q "Missing output files: ${first#.test/}" results/logs/resume-second.log && { echo "$first measured again" >&2; exit 1; }
 n_after=$(find "$raw" -name "$run*.jsonl" | wc -l)
 echo "resumed run $run: $first kept as it was; $n_after raw files now (was $n_before)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A one-node SLURM cluster on this machine (Debian's slurm-wlm and munge, as root), for running
-# the workflow's SLURM profile for real: `snakemake --profile profiles/slurm smoke`.
+# the workflow's SLURM profile for real: `snakemake --directory .test --profile profiles/slurm`.
 # Usage: sudo scripts/slurm_local.sh [start|stop]   (start installs the packages if missing)
 # What it sets up (seen working with slurm-wlm 22.05): a munge key, slurm.conf naming this host
 # as controller and only node (its CPUs and most of its memory), one partition `compute`, no

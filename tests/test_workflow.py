@@ -3,6 +3,7 @@ and bad configuration is refused by name. Dry runs only (the smoke run itself is
 
 import os
 import re
+import shutil
 
 import pytest
 import yaml
@@ -109,3 +110,22 @@ def test_a_sweep_for_a_model_not_swept_is_refused_by_name(tmp_path):
     r = snakemake("-n", "gate_c", "--configfile", str(cfg))
     assert r.returncode != 0
     assert "prefetch_online.by_model: 'olmoe-tiny-typo' is not one of prefetch_online.models" in r.stdout + r.stderr
+
+
+def test_the_smoke_run_is_the_whole_workflow_in_a_directory_of_its_own(tmp_path):
+    """As the Snakemake template runs its tests: `snakemake --directory .test` plans every gate
+    with .test's own configuration, and everything it makes (raw files, the expert store, the
+    run's figures) lies inside that directory."""
+    shutil.copytree(ROOT / ".test" / "configs", tmp_path / "configs")
+    r = snakemake("-n", "--directory", str(tmp_path), "--config", "run=smoke-plan")
+    assert r.returncode == 0, r.stderr
+    jobs = job_stats(r.stdout)
+    for rule in ("design", "prefetch_online", "placement_sim", "multinode", "sync_ablation", "wire_ablation",
+                 "store", "tables", "plots"):  # fmt: skip
+        assert jobs.get(rule), (rule, jobs)
+    outputs = [o for out in planned_outputs(r.stdout) for o in out.split(", ")]
+    assert all(not os.path.isabs(o) and not o.startswith("..") for o in outputs), outputs
+    assert "results/raw/B/design/smoke-plan.jsonl" in outputs
+    assert "resources/stores/qwen3moe-tiny/index.json" in outputs  # .test's own store, not the checkout's
+    smoke = yaml.safe_load((ROOT / ".test" / "configs" / "default.yaml").read_text())
+    assert smoke["profile"] == "smoke" and jobs["prefetch_online"] == len(smoke["prefetch_online"]["tiers"])

@@ -2,21 +2,21 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 
 validate(config, "../schemas/config.schema.yaml")
-# The smoke run's settings: the same schema, kept small (.test/config/config.yaml).
-SMOKE = yaml.safe_load((Path(workflow.basedir) / ".test" / "config" / "config.yaml").read_text())
-validate(SMOKE, "../schemas/config.schema.yaml")
 
 from engine.models import registry
 from harness import provenance
 
 # The interpreter running Snakemake runs the engine too (the project's virtual environment).
 PYTHON = sys.executable
+# The rules declare what the engine builds under the working directory's resources/ (the
+# checkout's, or .test's in `snakemake --directory .test`): the engine must build there, whatever
+# the caller's environment says.
+os.environ["TITAN_RESOURCES"] = str(Path("resources").resolve())
 
 
 def run_id(value):
@@ -40,6 +40,7 @@ os.environ["TITAN_RUN"] = RUN
 # Snakemake passes these on to the jobs an executor runs elsewhere.
 envvars:
     "TITAN_RUN",
+    "TITAN_RESOURCES",
 
 
 TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss",
@@ -50,8 +51,8 @@ FITTED = ["popularity", "transition", "probe"]
 
 
 wildcard_constraints:
-    out="results|results/smoke|results/claims_check",
-    figdir="figures|results/smoke/figures|results/runs/[A-Za-z0-9][A-Za-z0-9._-]*/figures",
+    out="results|results/claims_check",
+    figdir="figures|results/runs/[A-Za-z0-9][A-Za-z0-9._-]*/figures",
     tier="page_cache|cold",
     pset="general|code",
     split="fit|eval",
@@ -68,11 +69,7 @@ def settings(out):
         if "claims_check" not in config:
             raise WorkflowError(f"profile {config['profile']}: no `claims_check` section in the configuration")
         return {**config, "ablations": {**config["ablations"], "sync": config["claims_check"]["sync"]}}
-    return config if out == "results" else SMOKE
-
-
-def out_of(figdir):
-    return "results/smoke" if figdir.startswith("results/smoke") else "results"
+    return config
 
 
 def existing_raw(out):
@@ -82,11 +79,10 @@ def existing_raw(out):
 
 def raw_inputs(figdir):
     """What a figure folder's tables are made from: `figures/` from the raw logs already there;
-    a run's folder (results/runs/RUN/figures) and the smoke folder from those and this run's."""
-    out = out_of(figdir)
+    a run's folder (results/runs/RUN/figures) from those and this run's."""
     if figdir == "figures":
-        return existing_raw(out)
-    return sorted(set(existing_raw(out)) | set(raw_outputs(out)))
+        return existing_raw("results")
+    return sorted(set(existing_raw("results")) | set(raw_outputs("results")))
 
 
 def spec(model):
@@ -119,18 +115,17 @@ def trained_models():
 
 def check_models():
     """Refuse unknown models and absent real weights before any job runs."""
-    for section in (config, SMOKE):
-        po = section["prefetch_online"]
-        for m in po.get("by_model", {}):
-            if m not in po["models"]:
-                raise WorkflowError(f"prefetch_online.by_model: '{m}' is not one of prefetch_online.models {po['models']}")
-        for m in config_models(section):
-            s = spec(m)
-            if s["kind"] == "real":
-                try:
-                    registry.real_model_dir(s)
-                except registry.RegistryError as e:
-                    raise WorkflowError(f"profile {config['profile']}: {e}")
+    po = config["prefetch_online"]
+    for m in po.get("by_model", {}):
+        if m not in po["models"]:
+            raise WorkflowError(f"prefetch_online.by_model: '{m}' is not one of prefetch_online.models {po['models']}")
+    for m in config_models(config):
+        s = spec(m)
+        if s["kind"] == "real":
+            try:
+                registry.real_model_dir(s)
+            except registry.RegistryError as e:
+                raise WorkflowError(f"profile {config['profile']}: {e}")
 
 
 check_models()
@@ -144,28 +139,27 @@ def check_values():
             if not low <= v <= high:
                 raise WorkflowError(f"profile {config['profile']}: {key}: {v} is outside {low}..{high} ({what})")
 
-    for section in (config, SMOKE):
-        d = section["design"]
-        within("design.top_k", d["top_k"], 1, d["experts"], "design.experts")
-        within("design.slots", d["slots"], d["top_k"], d["experts"], "design.top_k..design.experts")
-        po = section["prefetch_online"]
-        for m in po["models"]:
-            shape = registry.shape(m)
-            E, K, L = shape["experts"] or 1 << 30, shape["top_k"] or 1, shape["layers"] or 1 << 30
-            own = po.get("by_model", {}).get(m, {})
+    d = config["design"]
+    within("design.top_k", d["top_k"], 1, d["experts"], "design.experts")
+    within("design.slots", d["slots"], d["top_k"], d["experts"], "design.top_k..design.experts")
+    po = config["prefetch_online"]
+    for m in po["models"]:
+        shape = registry.shape(m)
+        E, K, L = shape["experts"] or 1 << 30, shape["top_k"] or 1, shape["layers"] or 1 << 30
+        own = po.get("by_model", {}).get(m, {})
 
-            def at(field):  # the value a model's sweep takes, and the key that set it
-                return (f"prefetch_online.by_model.{m}.{field}", own[field]) if field in own else (
-                    f"prefetch_online.{field}", po[field])
+        def at(field):  # the value a model's sweep takes, and the key that set it
+            return (f"prefetch_online.by_model.{m}.{field}", own[field]) if field in own else (
+                f"prefetch_online.{field}", po[field])
 
-            within(*at("slots"), K, E, f"{m}'s top_k..experts")
-            within(*at("depths"), 1, L, f"{m}'s layers")
-            within(*at("predict_size"), 1, E, f"{m}'s experts")
-        sync = section["ablations"]["sync"]
-        for m in sync["models"]:
-            shape = registry.shape(m)
-            within("ablations.sync.slots", sync["slots"], shape["top_k"] or 1, shape["experts"] or 1 << 30,
-                   f"{m}'s top_k..experts")
+        within(*at("slots"), K, E, f"{m}'s top_k..experts")
+        within(*at("depths"), 1, L, f"{m}'s layers")
+        within(*at("predict_size"), 1, E, f"{m}'s experts")
+    sync = config["ablations"]["sync"]
+    for m in sync["models"]:
+        shape = registry.shape(m)
+        within("ablations.sync.slots", sync["slots"], shape["top_k"] or 1, shape["experts"] or 1 << 30,
+               f"{m}'s top_k..experts")
     if "claims_check" in config:
         cc = config["claims_check"]["sync"]
         for m in cc["models"]:

@@ -14,6 +14,6 @@ rule tables:
     conda:
         "../envs/titan.yaml"
     params:
-        raw=lambda wc: f"{out_of(wc.figdir)}/raw",
+        raw="results/raw",
     script:
         "../scripts/tables.py"
