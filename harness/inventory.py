@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.config import resources_dir
 
-from . import provenance, rawlog
+from . import provenance, records
 
 SCHEMA_VERSION = 1
 KEEP = (
@@ -165,8 +165,8 @@ def update(path, raw_root, probes_folder=None) -> dict:
     """Regenerate `path` (artifacts/environment.json) from the probes and the raw logs."""
     path = Path(path)
     existing = json.loads(path.read_text()) if path.exists() else None
-    records = rawlog.read([Path(raw_root)]) if Path(raw_root).exists() else []
-    inv = build(load_probes(probes_folder), records, existing)
+    recs = records.read([Path(raw_root)]) if Path(raw_root).exists() else []
+    inv = build(load_probes(probes_folder), recs, existing)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(inv, indent=2, sort_keys=True) + "\n")
     return inv

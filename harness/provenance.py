@@ -15,10 +15,10 @@ import mlx.core as mx
 
 from engine import versions
 
+from .records import SCHEMA_VERSION
+
 # The checkout the experiments run from: its git state is what every record names.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-SCHEMA_VERSION = 1
 
 
 def utc_now() -> str:

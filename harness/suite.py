@@ -22,7 +22,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from . import provenance, rawlog
+from . import provenance, rawlog, records
 
 GATE, EXPERIMENT = "tests", "suite"
 # Independent tests, spread over the shards one by one (on a GPU each compiles its own kernels).
@@ -96,7 +96,7 @@ def shards(nodeids: list, n: int, seconds: dict | None = None) -> list:
 def former_seconds(device: str, raw=None) -> dict:
     """Each test's seconds in the latest recorded run of the suite on `device`."""
     folder = Path(raw or rawlog.RAW) / GATE / EXPERIMENT
-    recs = [r for r in (rawlog.read([folder]) if folder.exists() else []) if r["device"] == device]
+    recs = [r for r in (records.read([folder]) if folder.exists() else []) if r["device"] == device]
     return max(recs, key=lambda r: r["finished_utc"])["result"].get("durations", {}) if recs else {}
 
 
@@ -194,7 +194,7 @@ def passing_record(tree: str, raw=None, device="gpu") -> dict | None:
     folder = Path(raw or rawlog.RAW) / GATE / EXPERIMENT
     recs = [
         r
-        for r in (rawlog.read([folder]) if folder.exists() else [])
+        for r in (records.read([folder]) if folder.exists() else [])
         if r["device"] == device and r["result"]["engine_tree"] == tree
     ]
     recs = [r for r in recs if not r["result"]["failed"] and not r["result"]["errors"] and r["result"]["passed"]]

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from conftest import ROOT, needs_git, snakemake
 
-from harness import inventory, provenance, rawlog
+from harness import inventory, provenance, records
 
 SETUP = ROOT / "scripts" / "cluster_setup.sh"
 
@@ -121,7 +121,7 @@ def test_this_machines_probe_is_full_and_its_entry_sanitised(tmp_path):
 
 def test_every_raw_records_host_resolves_in_the_committed_inventory():
     inv = json.loads((ROOT / "artifacts" / "environment.json").read_text())
-    aliases = {r["host"] for r in rawlog.read([ROOT / "results" / "raw"])}
+    aliases = {r["host"] for r in records.read([ROOT / "results" / "raw"])}
     assert aliases and aliases <= set(inv["machines"]), aliases - set(inv["machines"])
 
 

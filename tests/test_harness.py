@@ -14,10 +14,11 @@ import pytest
 import yaml
 from conftest import ROOT, job_stats, snakemake
 
-from harness import provenance, rawlog
+from harness import provenance, rawlog, records
 from harness.report import aggregate, claims_check, compare_runs, plotting
 from harness.report.tables import bench as bench_tables
-from harness.report.tables import online, routing
+from harness.report.tables import online as online_tables
+from harness.report.tables import routing as routing_tables
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
 FULL_RUN_FILE = re.compile(r"[0-9a-f]{12}(-dirty)?-host-")
@@ -82,10 +83,10 @@ def test_a_run_adds_a_read_only_file_and_never_replaces_one(tmp_path):
 
 
 def test_every_record_carries_provenance(tmp_path):
-    recs = rawlog.read([fake_run(tmp_path)])
+    recs = records.read([fake_run(tmp_path)])
     assert len(recs) == 2
     for r in recs:
-        for k in rawlog.REQUIRED:
+        for k in records.REQUIRED:
             assert k in r, k
         assert r["versions"]["mlx"] and r["versions"]["mlx-lm"] and r["versions"]["numpy"]
         assert r["device"] in ("cpu", "gpu")
@@ -118,12 +119,12 @@ def test_malformed_line_is_named(tmp_path):
     bad = tmp_path / "C" / "prefetch_online" / "bad.jsonl"
     lines = good.read_text().splitlines()
     bad.write_text(lines[0] + "\n" + lines[1][:-10] + "\n")
-    with pytest.raises(rawlog.RawLogError, match=r"bad\.jsonl: line 2: not JSON"):
-        rawlog.read([tmp_path])
+    with pytest.raises(records.RawLogError, match=r"bad\.jsonl: line 2: not JSON"):
+        records.read([tmp_path])
     rec = json.loads(lines[0])
     del rec["commit"]
     bad.write_text(json.dumps(rec) + "\n")
-    with pytest.raises(rawlog.RawLogError, match=r"bad\.jsonl: line 1: missing field\(s\) commit"):
+    with pytest.raises(records.RawLogError, match=r"bad\.jsonl: line 1: missing field\(s\) commit"):
         aggregate.build(tmp_path, tmp_path / "fig")
 
 
@@ -484,7 +485,7 @@ def test_a_run_without_a_floor_joins_the_rows_at_floor_zero(tmp_path):
     fake_run(tmp_path)
     fake_run(tmp_path, min_prob=0.0)
     fake_run(tmp_path, min_prob=0.25)
-    df = online.prefetch_table(rawlog.read([tmp_path]))
+    df = online_tables.prefetch_table(records.read([tmp_path]))
     assert sorted(df["min_prob"].unique()) == [0.0, 0.25]
     assert list(df[df["min_prob"] == 0.0]["runs"]) == [2, 2]
 
@@ -503,7 +504,7 @@ def test_every_trained_model_has_its_latest_curve(tmp_path):
             model=model,
             revision=None,
         )
-    df = routing.train_table(rawlog.read([tmp_path]))
+    df = routing_tables.train_table(records.read([tmp_path]))
     assert df.groupby("model").size().to_dict() == {"a": 2, "b": 4}
 
 
@@ -513,7 +514,7 @@ def test_gate_c_rows_keep_each_install_path_apart(tmp_path):
     fake_run(tmp_path)  # no install: a CPU's default then, inplace
     fake_run(tmp_path, install="inplace")
     fake_run(tmp_path, install="copy")
-    df = online.prefetch_table(rawlog.read([tmp_path]))
+    df = online_tables.prefetch_table(records.read([tmp_path]))
     assert df.groupby("install")["runs"].max().to_dict() == {"copy": 1, "inplace": 2}
 
 

@@ -256,11 +256,14 @@ def test_the_text_corpus_is_read_in_one_place():
     assert readers == ["engine/predict/corpus.py"], readers
 
 
-def test_the_figure_jobs_import_no_engine():
-    """Drawing reads tables only: the plots job's modules import neither the engine nor MLX (the
-    workflow tells it which models are trained), so redrawing costs what matplotlib costs."""
+def test_the_table_and_figure_jobs_import_no_engine():
+    """Tables read raw records and figures read tables: the `tables` and `plots` jobs' modules
+    import neither the engine nor MLX (records.py reads what rawlog.py's provenance stamped; the
+    workflow tells the plots which models are trained), so `snakemake figures` costs what pandas
+    and matplotlib cost."""
     code = (
-        "import sys, harness.report.plotting, harness.report.joblog; "
+        "import sys, harness.report.plotting, harness.report.joblog, harness.report.aggregate, "
+        "harness.report.docblocks, harness.report.compare_runs; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'mlx', 'mlx_lm')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

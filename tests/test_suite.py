@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT, needs_git
 
-from harness import rawlog, suite
+from harness import rawlog, records, suite
 from harness.report import docblocks
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
@@ -90,7 +90,7 @@ def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )
     assert out.returncode == 0, out.stderr
-    (rec,) = rawlog.read([tmp_path / "raw"])
+    (rec,) = records.read([tmp_path / "raw"])
     r = rec["result"]
     assert (rec["gate"], rec["experiment"]) == ("tests", "suite")
     assert (r["passed"], r["failed"], r["skipped"], r["xfailed"], r["errors"]) == (1, 1, 1, 1, 0)

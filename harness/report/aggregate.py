@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import rawlog
+from harness import records
 
 from .claims import write_claims
 from .tables import make
@@ -55,7 +55,7 @@ def build(raw_root, figdir, recs=None):
     table into `figdir`/tables; returns the tables."""
     raw_root = Path(raw_root)
     if recs is None:
-        recs = rawlog.read([raw_root]) if raw_root.exists() else []
+        recs = records.read([raw_root]) if raw_root.exists() else []
     tables = make(recs)
     write_all(tables, figdir)
     return tables

@@ -8,6 +8,8 @@ import pandas as pd
 
 # The paper's quantitative claims (shared/seeds/004_f9dda6381342b645.txt, "Implementation"), each
 # as a pair whose ratio is compared: absolute times from different hardware never are.
+# The tables the claims are made from (claims_table reads no other).
+SOURCES = ("design", "sync_ablation", "wire_ablation", "bench")
 TOLERANCE = 1.5  # a reproduced ratio agrees when within a factor of 1.5 of the paper's
 
 
@@ -94,6 +96,7 @@ def claims_table(tables):
         )
 
     def usable(name):
+        assert name in SOURCES, f"claims_table read {name}, which SOURCES does not name"
         df = tables[name]
         return df if not df.empty and {"device", "chip"} <= set(df.columns) else None
 

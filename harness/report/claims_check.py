@@ -16,20 +16,20 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import provenance, rawlog
+from harness import provenance, records
 
 from . import compare_runs, docblocks, tables
 
 VERDICTS = compare_runs.VERDICTS
 
 
-def last_full_run(raw: Path, records: dict, host: str | None) -> str | None:
-    """The full run of `all` on `host` (None: on any machine) whose records (`records`: the raw
+def last_full_run(raw: Path, by_file: dict, host: str | None) -> str | None:
+    """The full run of `all` on `host` (None: on any machine) whose records (`by_file`: the raw
     files' under `raw`) ended last."""
     runs = {r: h for r, (h, _) in docblocks.full_runs(raw).items() if host is None or h == host}
     if not runs:
         return None
-    ends = compare_runs.run_ends(records, list(runs))
+    ends = compare_runs.run_ends(by_file, list(runs))
     return max(runs, key=lambda r: ends[r])
 
 
@@ -37,15 +37,15 @@ def check(raw: Path, check_raw: Path, host: str | None) -> tuple[str | None, pd.
     """(the full run compared with, one row per claim both measured: both verdicts and ratio
     ranges, `changed`, `reversed`). `host`: the machine whose last full run is the reference (None:
     the last full run of any machine)."""
-    records = compare_runs.read_by_file(raw)
-    full = last_full_run(raw, records, host)
+    by_file = compare_runs.read_by_file(raw)
+    full = last_full_run(raw, by_file, host)
     if full is None:
         return None, pd.DataFrame()
-    a = compare_runs.claims_as_of(records, full, "")
-    b = tables.make(rawlog.read([check_raw]) if Path(check_raw).exists() else [])["claims"]
+    a = compare_runs.claims_as_of(by_file, full, "")
+    b = tables.claims(records.read([check_raw]) if Path(check_raw).exists() else [])
     # the full run's own machine(s) only (the tables also hold other machines' rows); the same
     # host alias may have changed chips, so the claims are matched by name and both machines said
-    a = a[a["machine"].isin(compare_runs.machines_of(raw, records, full))]
+    a = a[a["machine"].isin(compare_runs.machines_of(raw, by_file, full))]
     cols = VERDICTS + ["ratio", "ratio_low", "ratio_high", "machine"]
     df = a[["claim"] + cols].merge(b[["claim"] + cols], on="claim", how="inner", suffixes=("_full", "_check"))
     df["changed"] = (df["direction_full"] != df["direction_check"]) | (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import rawlog
+from harness import records
 
 from . import tables
 from .tables.common import machine_cols
@@ -26,48 +26,48 @@ def of_run(name: str, run: str) -> bool:
     return name == f"{run}.jsonl" or name.startswith(f"{run}-")
 
 
-def claims_as_of(records: dict, run: str, other: str) -> pd.DataFrame:
-    """The claims table from the raw files (`records`: file -> its records) that had begun by the
+def claims_as_of(by_file: dict, run: str, other: str) -> pd.DataFrame:
+    """The claims table from the raw files (`by_file`: file -> its records) that had begun by the
     time `run` ended, except the other run's."""
-    end = max(r["finished_utc"] for f, recs in records.items() if of_run(f.name, run) for r in recs)
+    end = max(r["finished_utc"] for f, recs in by_file.items() if of_run(f.name, run) for r in recs)
     kept = [
         r
-        for f, recs in sorted(records.items())
+        for f, recs in sorted(by_file.items())
         if not of_run(f.name, other) and min(r["started_utc"] for r in recs) <= end
         for r in recs
     ]
-    return tables.make(kept)["claims"]
+    return tables.claims(kept)
 
 
 def read_by_file(raw: Path) -> dict:
     """{file: its records} for every raw file under `raw`, each read once."""
-    return {f: rawlog.read([f]) for f in sorted(raw.rglob("*.jsonl"))}
+    return {f: records.read([f]) for f in sorted(raw.rglob("*.jsonl"))}
 
 
-def run_ends(records: dict, runs: list) -> dict:
+def run_ends(by_file: dict, runs: list) -> dict:
     """{run: when its last record finished} from the raw files' records (`read_by_file`)."""
     ends = dict.fromkeys(runs, "")
-    for f, recs in records.items():
+    for f, recs in by_file.items():
         for run in runs:
             if of_run(f.name, run):
                 ends[run] = max([ends[run]] + [r["finished_utc"] for r in recs])
     return ends
 
 
-def machines_of(raw: Path, records: dict, run: str) -> set:
-    recs = [r for f, rs in records.items() if of_run(f.name, run) for r in rs]
+def machines_of(raw: Path, by_file: dict, run: str) -> set:
+    recs = [r for f, rs in by_file.items() if of_run(f.name, run) for r in rs]
     if not recs:
         raise SystemExit(f"no raw file of run {run!r} under {raw}")
     return {f"{r['device']} {machine_cols(r)['chip']}" for r in recs}
 
 
-def compare(raw: Path, run_a: str, run_b: str, records: dict | None = None) -> pd.DataFrame:
-    """Both runs' verdicts on every claim both measured on a machine they share (`records`: the
+def compare(raw: Path, run_a: str, run_b: str, by_file: dict | None = None) -> pd.DataFrame:
+    """Both runs' verdicts on every claim both measured on a machine they share (`by_file`: the
     raw files' records, if already read)."""
-    records = read_by_file(raw) if records is None else records
-    machines = machines_of(raw, records, run_a) & machines_of(raw, records, run_b)
-    a = claims_as_of(records, run_a, run_b)
-    b = claims_as_of(records, run_b, run_a)
+    by_file = read_by_file(raw) if by_file is None else by_file
+    machines = machines_of(raw, by_file, run_a) & machines_of(raw, by_file, run_b)
+    a = claims_as_of(by_file, run_a, run_b)
+    b = claims_as_of(by_file, run_b, run_a)
     keys = ["claim", "machine"]
     a = a[a["machine"].isin(machines) & (a["source"] != "tables/bench")]
     b = b[b["machine"].isin(machines) & (b["source"] != "tables/bench")]

@@ -173,13 +173,13 @@ def full_runs(raw) -> dict:
     return runs
 
 
-def run_agreement(raw, records=None) -> str:
+def run_agreement(raw, by_file=None) -> str:
     """docs/workflow.md's sentence on whether two runs reach the same verdicts: the two latest
-    full runs on one machine, compared by compare_runs.py (`records`: the raw files' records under
+    full runs on one machine, compared by compare_runs.py (`by_file`: the raw files' records under
     `raw`, if already read)."""
     runs = full_runs(raw)
-    records = compare_runs.read_by_file(Path(raw)) if records is None else records
-    ends = compare_runs.run_ends(records, list(runs))
+    by_file = compare_runs.read_by_file(Path(raw)) if by_file is None else by_file
+    ends = compare_runs.run_ends(by_file, list(runs))
     by_host = {}
     for run in sorted(runs, key=lambda r: ends[r]):
         by_host.setdefault(runs[run][0], []).append(run)
@@ -187,7 +187,7 @@ def run_agreement(raw, records=None) -> str:
     if not pairs:
         return "No two full runs of `all` on one machine are recorded yet."
     a, b = max(pairs, key=lambda p: ends[p[1]])  # the machine whose latest full run ended last
-    df = compare_runs.compare(Path(raw), a, b, records)
+    df = compare_runs.compare(Path(raw), a, b, by_file)
     n = len(df)
     same = {c: int((df[f"{c}_a"] == df[f"{c}_b"]).sum()) for c in compare_runs.VERDICTS}
     decided = {x: int(df[f"direction_{x}"].isin(["yes", "no"]).sum()) for x in ("a", "b")}
@@ -211,7 +211,7 @@ def run_agreement(raw, records=None) -> str:
     return text
 
 
-def build(tables: dict, root=".", raw=None, records=None) -> list:
+def build(tables: dict, root=".", raw=None, by_file=None) -> list:
     """Fill every page's blocks from the published tables (and, for the run agreement, the raw
     logs under `raw`, or their records by file if already read); returns the pages that changed."""
     blocks = {"gpu-exactness": gpu_exactness(tables["suite"])}
@@ -219,6 +219,6 @@ def build(tables: dict, root=".", raw=None, records=None) -> list:
         blocks["device-install"] = device_install(tables["bench"])
         blocks["serve-bench"] = serve_bench(tables["bench"])
     if raw is not None:
-        blocks["run-agreement"] = run_agreement(raw, records)
+        blocks["run-agreement"] = run_agreement(raw, by_file)
     pages = [Path(root) / "README.md", *sorted((Path(root) / "docs").glob("*.md"))]
     return [p for p in pages if p.exists() and update(p, blocks)]

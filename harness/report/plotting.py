@@ -1,5 +1,9 @@
 """Figures, one per claim, drawn from the aggregated tables only (never from raw logs)."""
 
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import matplotlib
@@ -508,17 +512,36 @@ def prediction_pays(figdir, trained):
     _save(fig, figdir, "prediction_pays")
 
 
-def build(figdir, trained):
+def drawings(figdir, trained) -> dict:
+    """Every figure's name and the call that draws it (each reads its own tables and writes its
+    PNG and PDF), the slowest first."""
+    return {
+        "prediction_pays": partial(prediction_pays, figdir, trained),
+        "throughput_vs_slots": partial(_online, figdir, "throughput_vs_slots", "tok_s", "decode tok/s",
+                                       "Throughput against slots, by predictor"),
+        "throughput_vs_memory": partial(memory, figdir),
+        "stall_vs_slots": partial(_online, figdir, "stall_vs_slots", "stall_ms_per_token", "stall ms per token",
+                                  "Stall against slots, by predictor"),
+        "predictor_recall": partial(predictor_recall, figdir),
+        "placement": partial(placement, figdir),
+        "design": partial(design, figdir),
+        "miss_breakdown": partial(miss_breakdown, figdir),
+        "routing": partial(routing, figdir),
+        "train_loss": partial(train_loss, figdir),
+    }  # fmt: skip
+
+
+def build(figdir, trained, jobs=1):
     """Every figure from the tables in `figdir`/tables. `trained`: the models whose routing was
     learnt (the registry's models with a training recipe; the workflow says which, so that drawing
-    needs no engine)."""
-    design(figdir)
-    _online(figdir, "throughput_vs_slots", "tok_s", "decode tok/s", "Throughput against slots, by predictor")
-    _online(figdir, "stall_vs_slots", "stall_ms_per_token", "stall ms per token", "Stall against slots, by predictor")
-    miss_breakdown(figdir)
-    predictor_recall(figdir)
-    routing(figdir)
-    train_loss(figdir)
-    placement(figdir)
-    memory(figdir)
-    prediction_pays(figdir, trained)
+    needs no engine). `jobs` > 1 draws in that many processes (forked on Linux, where they share
+    the imports already made): matplotlib's text layout, not reading, is what a figure costs."""
+    draws = list(drawings(figdir, trained).values())
+    if jobs <= 1:
+        for draw in draws:
+            draw()
+        return
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        for done in [pool.submit(draw) for draw in draws]:
+            done.result()  # a figure that fails stops the job with its own traceback

@@ -15,6 +15,7 @@ rule plots:
         expand("{{figdir}}/{f}.pdf", f=FIGURES),
     log:
         "results/logs/plots/{figdir}.log",
+    threads: 2  # figures drawn side by side (plotting.build)
     conda:
         "../envs/titan.yaml"
     params:

@@ -11,5 +11,5 @@ with logged(snakemake):
     recs = [r for rs in by_file.values() for r in rs]
     tables = aggregate.build(raw, snakemake.wildcards.figdir, recs=recs)
     if snakemake.wildcards.figdir == "figures":  # the published tables: their sentences in the pages
-        for page in docblocks.build(tables, raw=raw, records=by_file):
+        for page in docblocks.build(tables, raw=raw, by_file=by_file):
             print(f"rewrote the generated blocks of {page}")

@@ -2,7 +2,7 @@
 one table. `make` selects each table's records and adds the claims table (claims.py), which is
 made from the others."""
 
-from ..claims import claims_table
+from ..claims import SOURCES, claims_table
 from .ablations import sync_table, wire_table
 from .bench import bench_table
 from .design import design_table
@@ -34,8 +34,15 @@ TABLES = {
 }
 
 
-def make(recs) -> dict:
-    """Every table (name -> DataFrame) from the given raw records, the claims table last."""
-    tables = {name: table([r for r in recs if wanted(r)]) for name, (wanted, table) in TABLES.items()}
-    tables["claims"] = claims_table(tables)
+def make(recs, names=tuple(TABLES)) -> dict:
+    """The tables `names` (default: every one) from the given raw records (name -> DataFrame),
+    with the claims table last when every table it is made from is among them."""
+    tables = {name: table([r for r in recs if wanted(r)]) for name, (wanted, table) in TABLES.items() if name in names}
+    if set(SOURCES) <= set(tables):
+        tables["claims"] = claims_table(tables)
     return tables
+
+
+def claims(recs):
+    """The claims table alone, from the given raw records (only the tables it is made from)."""
+    return make(recs, SOURCES)["claims"]

@@ -58,13 +58,12 @@ def prefetch_table(recs):
 
 
 def miss_table(recs):
-    df = prefetch_table(recs)
+    full = latest(online_rows(recs), ONLINE_KEYS)
     keep = MACHINE + ["model", "tier", "prompt_set", "slots", "install"]
     split = ["per_miss_pread_ms", "per_miss_array_ms", "per_miss_install_ms", "per_miss_stall_ms"]
     cols = keep + [f"{c}{x}" for c in split for x in ("", "_min", "_max")] + ["misses", "repeats"]
-    if df.empty:
+    if full.empty:
         return pd.DataFrame(columns=cols)
-    full = latest(online_rows(recs), ONLINE_KEYS)
     full = full[(full["predictor"] == "none") & (full["slots"] < full["experts"])]
     return full.reindex(columns=cols).reset_index(drop=True)
 
