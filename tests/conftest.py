@@ -65,9 +65,24 @@ def workflow_dir() -> Path:
     return view
 
 
+@functools.cache
+def answered_scontrol() -> str:
+    """A folder holding an `scontrol` that fails at once. Snakemake's SLURM executor plugin asks
+    `scontrol show config` whenever Snakemake starts (waiting up to 10 s); where slurm is installed
+    without a controller to answer (this project's machines after CI's SLURM step) every planning
+    test would wait for it. These tests plan with the local executor: nothing of SLURM's is used."""
+    folder = Path(tempfile.mkdtemp(prefix="titan-scontrol-"))
+    atexit.register(shutil.rmtree, folder, True)
+    stub = folder / "scontrol"
+    stub.write_text("#!/bin/sh\nexit 1\n")
+    stub.chmod(0o755)
+    return str(folder)
+
+
 def snakemake(*args, env=None, timeout=300):
     """`snakemake ARGS` in `workflow_dir()` (without TITAN_RUN unless `env` gives it)."""
     env = dict(os.environ, **(env or {}))
+    env["PATH"] = answered_scontrol() + os.pathsep + env.get("PATH", "")
     env.pop("TITAN_RUN", None) if env.get("TITAN_RUN") is None else None
     return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workflow_dir(), capture_output=True,
                           text=True, timeout=timeout, env=env)  # fmt: skip
