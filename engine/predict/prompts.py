@@ -5,11 +5,14 @@
 standard library's own source. Each set is split into `fit` prompts (predictors learn from
 their traces) and `eval` prompts (predictors are scored on them); the two splits come from
 different topics or modules, so they never share a prompt.
-`write()` regenerates the files (deterministic for a Python version).
+`write()` regenerates the files: deterministic for a Python version, and only on the one that made
+the shipped files (`MADE_WITH`), since another's help topics and module layout differ (3.12's
+`zipfile` is a package, not `zipfile.py`).
 """
 
 import json
 import re
+import sys
 from pathlib import Path
 
 from ..config import DATA
@@ -19,6 +22,7 @@ PROMPT_DIR = DATA / "prompts"
 SETS = ("general", "code")
 SPLITS = ("fit", "eval")
 CHARS = 320
+MADE_WITH = (3, 11)  # the CPython whose standard library the shipped sets were cut from
 CODE_MODULES = (
     "argparse",
     "ast",
@@ -133,6 +137,12 @@ def _code():
 
 def generate() -> dict:
     """{set: [prompt dicts]}: every third source goes to eval, the rest to fit."""
+    if sys.version_info[:2] != MADE_WITH:
+        made, here = ".".join(map(str, MADE_WITH)), ".".join(map(str, sys.version_info[:2]))
+        raise ValueError(
+            f"the prompt sets are cut from Python {made}'s standard library and help topics; this is "
+            f"Python {here}, whose differ: make them again with Python {made}"
+        )
     result = {}
     for name, items in (("general", _general()), ("code", _code())):
         rows = []
