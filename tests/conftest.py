@@ -166,3 +166,57 @@ def job_stats(stdout: str) -> dict:
     lines = stdout.split("Job stats:", 1)[1].splitlines()
     rows = [l.split() for l in lines[3:]]
     return {r[0]: int(r[1]) for r in rows[: next(i for i, r in enumerate(rows) if r and r[0] == "total")]}
+
+
+class DeviceWatch:
+    """On a CUDA GPU, a kernel's illegal access poisons the process: every later CUDA call fails
+    with the same error, far from its cause. So after each test (and its garbage, whose finalizers
+    unregister host memory) the device is synchronised: the first test after which it reports an
+    error gets that error at its teardown, and each later test of the process fails at its setup
+    naming it, instead of failing somewhere inside with an error that is not its own."""
+
+    def __init__(self, sync):
+        self.sync = sync  # raises the device's error, if it has one
+        self.fault = None  # (test, error) of the first fault seen
+
+    def after(self, test: str):
+        if self.fault is None:
+            try:
+                self.sync()
+            except Exception as e:
+                self.fault = (test, f"{type(e).__name__}: {e}")
+                pytest.fail(f"the device reported an error after this test: {self.fault[1]}", pytrace=False)
+
+    def before(self, test: str):
+        if self.fault is not None:
+            pytest.fail(f"not run: the device faulted after {self.fault[0]} ({self.fault[1]})", pytrace=False)
+
+
+def _device_sync():
+    import gc
+
+    import mlx.core as mx
+
+    from engine import cudart
+
+    gc.collect()
+    mx.synchronize()
+    cudart.runtime().synchronize()
+
+
+WATCH = DeviceWatch(_device_sync) if ON_GPU and device.pinned_unavailable() is None else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if WATCH is not None:
+        WATCH.before(item.nodeid)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield  # the test's fixtures are torn down first
+    if WATCH is not None:
+        WATCH.after(item.nodeid)
+    return result

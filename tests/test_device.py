@@ -10,7 +10,7 @@ import stat
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ON_GPU, needs_git, run_engine
+from conftest import ON_GPU, DeviceWatch, needs_git, run_engine
 
 from engine import EngineConfig, device, load, max_abs_diff
 from engine.runtime import installs
@@ -169,3 +169,26 @@ def test_quantized_matmul_agrees_with_itself(request, inputs):
             ]
             assert all(np.array_equal(runs[0], r) for r in runs[1:]), (dtype, rows)
             assert not np.isnan(runs[0]).any(), (dtype, rows)
+
+
+def test_a_device_fault_is_pinned_on_the_test_after_which_it_was_seen():
+    """The suite's device watch (conftest.DeviceWatch, active on a CUDA GPU): the first test after
+    which the device reports an error fails at its teardown with that error, and every later test
+    fails at its setup naming that test, not with the poisoned process's error of its own."""
+    errors = [None, None, "an illegal memory access was encountered"]
+
+    def sync():
+        if errors and errors.pop(0):
+            raise RuntimeError("cudaStreamSynchronize(stream_) failed: an illegal memory access was encountered")
+
+    watch = DeviceWatch(sync)
+    for test in ("t1", "t2"):
+        watch.before(test)
+        watch.after(test)
+    watch.before("t3")
+    with pytest.raises(pytest.fail.Exception, match="reported an error after this test: RuntimeError: .*illegal"):
+        watch.after("t3")
+    with pytest.raises(pytest.fail.Exception, match=r"not run: the device faulted after t3 \(RuntimeError"):
+        watch.before("t4")
+    watch.after("t4")  # the device is not asked again: one fault, named once
+    assert watch.fault[0] == "t3"
