@@ -14,7 +14,8 @@
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
-#   PSETS="general" limits it to one prompt set)
+#   PSETS="general" limits it to one prompt set), variants (TESTS in one pytest process a variant of
+#   the environment, side by side: VARIANTS="name:VAR=value;name2:"; no record)
 # Every step writes OUTDIR/logs.tgz too: the new job logs and benchmark files, for where time went.
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
 # untracked files between calls) and OUTDIR/log.txt. BUDGET=SECONDS stops a step in time for the
@@ -70,6 +71,7 @@ if [[ ${DETACH:-} == 1 ]]; then
   while kill -0 "$pid" 2>/dev/null && (($(date +%s) < deadline - 10)); do sleep 2; done
   kill "$tailer" 2>/dev/null
   cp "$state/out/log.txt" "$out/log.txt"
+  [[ -f $state/out/variants.tgz ]] && cp "$state/out/variants.tgz" "$out/"
   # what the steps have made so far, a step still running included (its finished jobs' files)
   marker=$state/marker
   (cd "$work" && collect)
@@ -146,6 +148,23 @@ for step in "$@"; do
             -- "${targets[@]}"
           # Then the measurements, one at a time.
           run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- "${targets[@]}" ;;
+    variants)  # a fault that depends on what ran before it in the process, narrowed down: one pytest
+               # process a variant, side by side, each running TESTS in the order given (a shard's
+               # order: the suite record's shard split), under that variant's environment.
+               # VARIANTS="name:VAR=value VAR2=value;name2:" (default: one variant, as is). No record:
+               # each variant's log is in OUTDIR/log.txt's summary and in OUTDIR/variants.tgz.
+          vdir=$(mktemp -d) pids=() && IFS=';' read -ra vs <<< "${VARIANTS:-as-is:}"
+          for v in "${vs[@]}"; do
+            (read -ra envs <<< "${v#*:}"
+             env "${envs[@]}" timeout -k 10 $((deadline - $(date +%s) - 30)) $py -m pytest -v -p no:cacheprovider \
+               $TESTS > "$vdir/${v%%:*}.log" 2>&1
+             echo "${v%%:*}: exit $?" >> "$vdir/exits.txt") &
+            pids+=($!)
+          done
+          wait "${pids[@]}"  # not a bare wait: that would wait on this script's own log tee too
+          cat "$vdir/exits.txt"
+          grep -H "PASSED\|FAILED\|ERROR\|device reported\|device faulted" "$vdir"/*.log | sed "s|$vdir/||" | tail -80
+          tar czf "$out/variants.tgz" -C "$vdir" . ;;
     *) log "unknown step $step" ;;
   esac
 done
