@@ -15,6 +15,7 @@ plan or run the workflow in the checkout stay in one process (`TOGETHER`): Snake
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -186,7 +187,22 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
             started=started,
             root=root,
         )
+    keep_failed_logs(work, [i for p, _, i in procs if p.returncode != 0], root, path.stem if path else started)
     return result, path
+
+
+def keep_failed_logs(work: Path, failed: list, root, name: str) -> Path | None:
+    """A failed shard's whole log (every traceback, what the process printed before it died) into
+    results/logs/suite/NAME/ beside the raw records: the record keeps 500 characters a failure,
+    and a process a device fault poisoned needs its first error, which may be another test's."""
+    if not failed:
+        return None
+    keep = Path(root or rawlog.RAW).parent / "logs" / "suite" / name.replace(":", "")
+    keep.mkdir(parents=True, exist_ok=True)
+    for i in failed:
+        shutil.copy(work / f"shard-{i}.log", keep / f"shard-{i}.log")
+    print(f"[suite] the failed shards' logs: {keep}", flush=True)
+    return keep
 
 
 def passing_record(tree: str, raw=None, device="gpu") -> dict | None:

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -100,6 +101,11 @@ def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
     assert r["engine_tree"] == suite.tree_hash(ROOT / "engine") and r["shards"] == 2
     assert set(r["durations"]) == {"tests/test_a.py::test_ok", "tests/test_a.py::test_bad", "tests/test_b.py::test_gpu",
                                    "tests/test_b.py::test_known"}  # fmt: skip
+    # the failed shard's whole log is kept beside the records (the passing one's is not)
+    (kept,) = (tmp_path / "logs" / "suite").iterdir()
+    assert kept.name == Path(out.stdout.split()[-1]).stem
+    (log,) = kept.iterdir()
+    assert "one is not two" in log.read_text() and "assert 1 == 2" in log.read_text()
 
 
 def _record(raw, tree, device="gpu", failed=0):
