@@ -3,6 +3,7 @@ helpers to decode through the engine. GPU-only and CPU-only tests carry `gpu_onl
 
 import atexit
 import functools
+import gc
 import os
 import shutil
 import subprocess
@@ -10,12 +11,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine import EngineConfig, device, load  # noqa: E402
+from engine import EngineConfig, cudart, device, load  # noqa: E402
 from engine.models.registry import load_reference  # noqa: E402
 from engine.predict import predictors, prompts  # noqa: E402
 from engine.runtime.loop import decode  # noqa: E402
@@ -193,12 +195,6 @@ class DeviceWatch:
 
 
 def _device_sync():
-    import gc
-
-    import mlx.core as mx
-
-    from engine import cudart
-
     gc.collect()
     mx.synchronize()
     cudart.runtime().synchronize()
