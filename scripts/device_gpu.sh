@@ -153,17 +153,19 @@ for step in "$@"; do
                # order: the suite record's shard split), under that variant's environment.
                # VARIANTS="name:VAR=value VAR2=value;name2:" (default: one variant, as is). No record:
                # each variant's log is in OUTDIR/log.txt's summary and in OUTDIR/variants.tgz.
+               # Words after a variant's VAR=value ones wrap pytest (VARIANTS="memcheck:compute-sanitizer
+               # --tool memcheck"). Each variant has its own MLX kernel cache, so that no two write one.
           vdir=$(mktemp -d) pids=() && IFS=';' read -ra vs <<< "${VARIANTS:-as-is:}"
           for v in "${vs[@]}"; do
             (read -ra envs <<< "${v#*:}"
-             env "${envs[@]}" timeout -k 10 $((deadline - $(date +%s) - 30)) $py -m pytest -v -p no:cacheprovider \
-               $TESTS > "$vdir/${v%%:*}.log" 2>&1
+             timeout -k 10 $((deadline - $(date +%s) - 30)) env MLX_PTX_CACHE_DIR="$vdir/ptx-${v%%:*}" \
+               "${envs[@]}" $py -m pytest -v -p no:cacheprovider $TESTS > "$vdir/${v%%:*}.log" 2>&1
              echo "${v%%:*}: exit $?" >> "$vdir/exits.txt") &
             pids+=($!)
           done
           wait "${pids[@]}"  # not a bare wait: that would wait on this script's own log tee too
           cat "$vdir/exits.txt"
-          grep -H "PASSED\|FAILED\|ERROR\|device reported\|device faulted" "$vdir"/*.log | sed "s|$vdir/||" | tail -80
+          grep -H "PASSED\|FAILED\|ERROR\|device reported\|device faulted\|Invalid\|=====.*at 0x\|by thread\|Address" "$vdir"/*.log | sed "s|$vdir/||" | tail -80
           tar czf "$out/variants.tgz" -C "$vdir" . ;;
     *) log "unknown step $step" ;;
   esac
