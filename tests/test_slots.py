@@ -6,8 +6,9 @@ import pytest
 from conftest import PROMPT
 
 from engine import EngineConfig, load
+from engine.runtime import slots
 from engine.runtime.loop import decode
-from engine.runtime.slots import LRU, SlotTable
+from engine.runtime.slots import LRU, SlotTable, device_indices, index_block
 from engine.runtime.store import TensorSpec
 
 TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
@@ -142,3 +143,23 @@ def test_each_policy_evicts_its_victim(policy, uses, hint, protected, victim):
     assert t.claim(7, protected=protected | {7}) == slot
     assert not t.resident(victim) and t.resident(7)
     check_consistent(t)
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (1, 1), (2, 1), (3,), (1, 1, 2), (1, 1, 8), (4, 2)])
+def test_device_indices_are_the_values_in_a_block_above_the_small_pool(shape):
+    """What the device reads as indices is uint32 of the given shape and values, and its host
+    block is never 8 bytes or fewer, the size MLX's CUDA allocator serves from its small pool
+    (on the H200 a gather's uint8 slot indices there once read outside the slot buffer)."""
+    values = np.arange(1, int(np.prod(shape)) + 1).reshape(shape)
+    a = device_indices(values)
+    assert a.dtype == mx.uint32 and a.shape == shape
+    assert np.array(a).tolist() == values.tolist()
+    block = index_block(values)
+    assert block.nbytes > slots.SMALL_POOL_BYTES
+    assert block[: values.size].tolist() == values.reshape(-1).tolist()
+
+
+def test_an_address_keeps_its_64_bits():
+    a = device_indices([2**40 + 3], np.uint64)
+    assert a.dtype == mx.uint64 and np.array(a).tolist() == [2**40 + 3]
+    assert index_block([2**40 + 3], np.uint64).nbytes > slots.SMALL_POOL_BYTES

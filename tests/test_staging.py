@@ -14,13 +14,13 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import MODELS, run_with
+from conftest import MODELS, PROMPT, run_with
 from mlx_lm.generate import generate_step
 
 from engine import EngineConfig, cudart, device, load, max_abs_diff
 from engine.models.registry import load_reference
 from engine.predict import predictors
-from engine.runtime import staging
+from engine.runtime import slots, staging
 from engine.runtime.loop import decode
 from engine.runtime.moe import ExpertCache
 from engine.runtime.prefetch import NoPrefetch, Prefetcher
@@ -393,3 +393,25 @@ def test_pinned_miss_accounting(pinned):
         assert sorted(eng.tables[0].expert_in.tolist()) == list(range(8))
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("install", ["inplace", "pinned"])
+def test_a_decodes_index_arrays_all_leave_the_small_pool(install, monkeypatch, pinned):
+    """Every index array a decode hands the device (its slots, its staging records and their
+    slots, its tokens) goes through device_indices, so none is small-pool sized."""
+    made = []
+    real = slots.index_block
+
+    def spy(values, dtype=np.uint32):
+        block = real(values, dtype)
+        made.append(block.nbytes)
+        return block
+
+    monkeypatch.setattr(slots, "index_block", spy)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install))
+    try:
+        decode(eng.model, eng.tokenizer.encode(PROMPT), 4)
+        assert eng.counters()["misses"] > 0
+    finally:
+        eng.close()
+    assert made and min(made) > slots.SMALL_POOL_BYTES

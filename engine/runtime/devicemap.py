@@ -45,7 +45,7 @@ from ..models.anatomy import set_param
 from . import hosttier
 from .hosttier import HostTier
 from .moe import OffloadedSwitch, StepStats, prefill_calls
-from .slots import mx_dtype
+from .slots import device_indices, mx_dtype
 from .staging import GRID_STRIDE, cuda_kernel, record_loops
 
 # Per layer, on the device: distinct experts found resident / filled on demand; prefetched experts
@@ -454,7 +454,7 @@ class DeviceCache:
         self.tables = [[mx.zeros((s, *t.shape), mx_dtype(t.dtype)) for t in self.tensors] for s in per_layer]
         mx.eval(self.tables)
         self.states = [MapState.empty(self.num_experts, s) for s in per_layer]
-        self.layer_ids = [mx.array([i], mx.uint32) for i in range(store.num_layers)]
+        self.layer_ids = [device_indices([i]) for i in range(store.num_layers)]
         if mode == "kernel":
             self.fill_src = fill_source(self.tensors, self.tier.record_bytes, self.num_experts)
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..predict import predictors as P
+from .slots import device_indices
 
 
 class DevicePrefetch:
@@ -44,11 +45,11 @@ class DevicePrefetch:
             t = position + offset
             if t >= len(p.sets):
                 return None
-            return mx.array(p.sets[t, target].astype(np.int32)[: self.size])
+            return device_indices(p.sets[t, target][: self.size], np.int32)
         if isinstance(p, P.Popularity):
             if target not in self._const:
                 ctx = P.Context(0, layer, target, offset, np.zeros(0, np.int64), None, [None] * self.L)
-                self._const[target] = mx.array(np.asarray(p.predict(ctx), np.int32))
+                self._const[target] = device_indices(p.predict(ctx), np.int32)
             return self._const[target]
         if isinstance(p, P.Previous):
             last = self.last[target]

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import cudart
-from .slots import aligned_zeros
+from .slots import aligned_zeros, device_indices
 from .store import aligned_empty
 
 
@@ -90,8 +90,7 @@ class HostTier:
             self.registration = cudart.Registration(self.rows, rt)
             self.device_ptr = self.registration.device_ptr
             self.register_seconds = time.perf_counter() - t0
-            # 8 bytes: MLX's CUDA allocator serves it from its small pool, which the device reads in place
-            self.base = mx.array(np.array([self.device_ptr], np.uint64))
+            self.base = device_indices([self.device_ptr], np.uint64)  # the rows' address, for the kernels
             mx.eval(self.base)
 
     def row(self, layer: int, expert: int) -> int:

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .moe import StepStats, engine_layers
+from .slots import device_indices
 
 
 class MemoryWatch:
@@ -107,7 +108,7 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
         tokens.append(tok)
         if eos_id is not None and tok == eos_id:
             break
-        inp = mx.array([[tok]], dtype=mx.uint32)
+        inp = device_indices([[tok]])
     return tokens, records, logits_out
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from .. import device
 from ..models.anatomy import set_param
 from . import installs
-from .slots import SlotTable
+from .slots import SlotTable, device_indices
 
 
 @dataclass
@@ -318,7 +318,7 @@ class SlotSwitchGLU(OffloadedSwitch):
         if len(experts) <= table.slots:
             cache.ensure(self._layer, experts, scores, last)
             # lines 15-16: same kernel, same bytes as mlx-lm
-            y = self.glu(x, mx.array(table.slot_indices(idx)))
+            y = self.glu(x, device_indices(table.slot_indices(idx)))
             if cache.overlap:
                 # Start the device on this layer now: the host builds the next layer's graph
                 # meanwhile, instead of the two taking turns at every synchronisation.
@@ -330,14 +330,13 @@ class SlotSwitchGLU(OffloadedSwitch):
         # Each output pair is its expert's function of its input row alone, so the bytes are mlx-lm's.
         calls = prefill_calls(flat, table.slots, device.rows_alike())
         pairs = flat.reshape(-1)
-        dtype = np.uint8 if table.slots <= 256 else np.uint32
         parts, out = [], None
         for call in calls:
             cache.ensure(self._layer, np.sort(call.experts), None, last)
             if call.compact:
                 y = self.glu(
                     x.reshape(-1, d)[mx.array(call.pairs // k)],
-                    mx.array(table.slot_indices(pairs[call.pairs])[:, None]),
+                    device_indices(table.slot_indices(pairs[call.pairs])[:, None]),
                 )
                 parts.append(y.reshape(-1, d))
                 mx.eval(parts[-1])
@@ -346,7 +345,7 @@ class SlotSwitchGLU(OffloadedSwitch):
                 keep[call.pairs] = True
                 slots = table.slot_of[pairs]
                 slots[~keep] = slots[call.pairs[0]]  # any resident slot: these pairs' results are dropped
-                y = self.glu(x, mx.array(slots.astype(dtype).reshape(idx.shape)))
+                y = self.glu(x, device_indices(slots.reshape(idx.shape)))
                 out = y if out is None else mx.where(mx.array(keep.reshape(idx.shape))[..., None], y, out)
                 mx.eval(out)
         cache.chunked(len(calls))

@@ -111,6 +111,38 @@ def address(a) -> int:
     return np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data
 
 
+SMALL_POOL_BYTES = 8  # MLX's CUDA allocator serves an allocation this size or smaller from its small pool
+INDEX_BLOCK_BYTES = 16  # the least a host-made index array the device reads is given
+
+
+def index_block(values, dtype=np.uint32) -> np.ndarray:
+    """`values` flat, as `dtype`, in a host array of at least INDEX_BLOCK_BYTES (zeros after them)."""
+    a = np.ascontiguousarray(values, dtype).reshape(-1)
+    if a.nbytes > SMALL_POOL_BYTES:
+        return a
+    block = np.zeros(INDEX_BLOCK_BYTES // a.itemsize, dtype)
+    block[: a.size] = a
+    return block
+
+
+def device_indices(values, dtype=np.uint32) -> mx.array:
+    """Indices or addresses made on the host for the device to read (a layer's slots, a batch's
+    staging records, a staging area's address) as an MLX array of `dtype` and `values`' shape.
+
+    Never in MLX's CUDA small pool, which serves every allocation of 8 bytes or fewer: on the
+    H200 (mlx 0.32.4), after tests that cleared MLX's cache (`mx.clear_cache`, which mlx-lm's
+    generate_step calls) on several streams, a gather whose slot indices were 8 uint8s there
+    read outside its slot buffer (an illegal memory access, 4 processes of 4); with the indices
+    as uint32 (32 bytes) the same order passed, as it did without the cache clearing, with one
+    stream or with blocking launches (docs/gpu.md). A smaller array is a view of a 16-byte
+    block, so that its buffer is never the pool's either."""
+    shape = np.shape(values)
+    n = int(np.prod(shape))
+    block = index_block(values, dtype)
+    arr = mx.array(block)
+    return (arr if block.size == n else arr[:n]).reshape(shape)
+
+
 def aligned_zeros(shape, dtype, align=4096):
     """A zeroed MLX array whose data starts on an `align`-byte boundary.
 
@@ -224,7 +256,7 @@ class SlotTable:
         if self._rows is not None:
             raise RuntimeError(f"MoE layer {self.layer}: install_batch on an {self.install_mode}-mode table")
 
-        idx = mx.array(np.asarray(slots, np.uint8 if self.slots <= 256 else np.uint32))
+        idx = device_indices(slots)
         for buf, a in zip(self.buffers, stacked):
             buf[idx] = a
 
@@ -234,9 +266,7 @@ class SlotTable:
         if (slots < 0).any():
             missing = sorted(set(indices[slots < 0].tolist()))
             raise RuntimeError(f"MoE layer {self.layer}: experts {missing} are not resident")
-        # 8-bit where it fits: a decode step's K indices then take 8 bytes, which MLX's CUDA
-        # allocator serves from its small pool, read by the device in place, not from managed memory
-        return slots.astype(np.uint8 if self.slots <= 256 else np.uint32)
+        return slots.astype(np.uint32)  # for the device through device_indices
 
     def counters(self) -> dict:
         return dict(hits=self.hits, misses=self.misses, evictions=self.evictions, bytes_read=self.bytes_read)

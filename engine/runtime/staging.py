@@ -35,10 +35,10 @@ import mlx.core as mx
 import numpy as np
 
 from .. import cudart
-from .slots import aligned_zeros
+from .slots import aligned_zeros, device_indices
 from .store import PAGE, aligned_empty
 
-BATCH = 8  # records per copy kernel: its record list and slot list each fit in 8 bytes (below)
+BATCH = 8  # records per copy kernel
 
 
 StagingError = cudart.CudaError  # the name this module's callers have known it by
@@ -119,9 +119,7 @@ class CudaMemory:
         self.host = aligned_empty(records * record_bytes).reshape(records, record_bytes)
         self.registration = cudart.Registration(self.host, self.rt)
         self.device_ptr = self.registration.device_ptr
-        # 8 bytes: MLX's CUDA allocator serves it from its small pool, which the device reads in
-        # place (cudaMemAdviseSetAccessedBy) instead of migrating pages.
-        self.base = mx.array(np.array([self.device_ptr], np.uint64))
+        self.base = device_indices([self.device_ptr], np.uint64)  # the area's address, for the kernel
         mx.eval(self.base)
         self.kernel = copy_kernel(self.tensors, record_bytes)
 
@@ -133,7 +131,7 @@ class CudaMemory:
         widths = [t.nbytes // grain(t.offset, t.nbytes, self.record_bytes) for t in self.tensors]
         threads = min(n * max(widths), 132 * 2048)
         outs = self.kernel(
-            inputs=[self.base, mx.array(np.asarray(recs, np.uint8))],
+            inputs=[self.base, device_indices(recs)],
             output_shapes=[(n, *t.shape) for t in self.tensors] + [(1,)],
             output_dtypes=[_dtype(t.dtype) for t in self.tensors] + [mx.uint32],
             grid=(max(threads, 1), 1, 1),
