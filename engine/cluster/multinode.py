@@ -33,6 +33,7 @@ from ..models import registry
 from ..models.anatomy import moe_layers
 from ..runtime.engine import build_cache, open_store
 from ..runtime.moe import SlotSwitchGLU
+from ..runtime.slots import device_indices
 from . import placement as pl
 
 STOP, COMPUTE, PLACE = 0, 1, 2
@@ -212,7 +213,7 @@ class DistributedSwitchGLU(SlotSwitchGLU):
             scheduler.observe(self._layer, idx, x.shape[-2] if x.ndim > 1 else 1)
         where = self._where[idx]
         if not (where != 0).any():
-            return super().__call__(x, mx.array(idx.astype(np.uint32)))
+            return super().__call__(x, device_indices(idx))
         k, d = idx.shape[-1], x.shape[-1]
         flat, xf, wf = idx.reshape(-1, k), x.reshape(-1, d), where.reshape(-1, k)
         t0 = time.perf_counter()
@@ -239,7 +240,7 @@ class DistributedSwitchGLU(SlotSwitchGLU):
             for r in range(len(fill)):
                 own = fill[r][~remote[r]]
                 fill[r][remote[r]] = own[0] if len(own) else self._filler
-            y = super().__call__(xf, mx.array(fill.astype(np.uint32)))
+            y = super().__call__(xf, device_indices(fill))
         out = np.zeros((len(flat), k), np.int64) - 1  # which remote result fills each position
         parts = []
         for link, rows, cols, kmax in pending:
@@ -251,7 +252,7 @@ class DistributedSwitchGLU(SlotSwitchGLU):
                 out[r, c] = base + i * kmax + np.arange(len(c))
         self._stats["rtt_s"].append(time.perf_counter() - t0)
         remote_rows = mx.concatenate([p.reshape(-1, d) for p in parts])
-        gathered = remote_rows[mx.array(np.maximum(out, 0).reshape(-1))].reshape(len(flat), k, d)
+        gathered = remote_rows[device_indices(np.maximum(out, 0).reshape(-1))].reshape(len(flat), k, d)
         if y is None:
             y = gathered
         else:

@@ -599,21 +599,22 @@ class DeviceSwitchGLU(OffloadedSwitch):
         for call in calls:
             masked = np.full(pairs.size, -1, np.int32)
             masked[call.pairs] = pairs[call.pairs]
-            remapped = cache.step(layer, mx.array(masked))
+            remapped = cache.step(layer, device_indices(masked, np.int32))
             if call.compact:
-                sel = mx.array(call.pairs)
-                y = self.glu(x.reshape(-1, d)[mx.array(call.pairs // k)], remapped[sel][:, None])
+                sel = device_indices(call.pairs)
+                y = self.glu(x.reshape(-1, d)[device_indices(call.pairs // k)], remapped[sel][:, None])
                 parts.append(y.reshape(-1, d))
                 cache.after[layer] = parts[-1]
             else:
                 y = self.glu(x, remapped.reshape(indices.shape))
                 keep = np.zeros(pairs.size, bool)
                 keep[call.pairs] = True
-                out = y if out is None else mx.where(mx.array(keep.reshape(idx.shape))[..., None], y, out)
+                mask = device_indices(keep.reshape(idx.shape), np.bool_)
+                out = y if out is None else mx.where(mask[..., None], y, out)
                 cache.after[layer] = out
             if cache.mode == "ops":
                 mx.eval(cache.after[layer])  # the next batch's scatter must not wait on this one's reads
         if out is not None:
             return out
-        back = mx.array(np.argsort(np.concatenate([c.pairs for c in calls])))
+        back = device_indices(np.argsort(np.concatenate([c.pairs for c in calls])))
         return mx.concatenate(parts, axis=0)[back].reshape(*idx.shape, d)

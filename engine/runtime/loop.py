@@ -82,7 +82,7 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
     memory = MemoryWatch()
     stats = experts.stats if experts is not None else StepStats()
     records, logits_out, tokens = [], [], []
-    inp = mx.array(prompt_ids, dtype=mx.uint32)[None]
+    inp = device_indices(np.asarray(prompt_ids))[None]
     position = 0
     for step in range(max_tokens + 1):
         if experts is not None:

@@ -335,7 +335,7 @@ class SlotSwitchGLU(OffloadedSwitch):
             cache.ensure(self._layer, np.sort(call.experts), None, last)
             if call.compact:
                 y = self.glu(
-                    x.reshape(-1, d)[mx.array(call.pairs // k)],
+                    x.reshape(-1, d)[device_indices(call.pairs // k)],
                     device_indices(table.slot_indices(pairs[call.pairs])[:, None]),
                 )
                 parts.append(y.reshape(-1, d))
@@ -346,12 +346,13 @@ class SlotSwitchGLU(OffloadedSwitch):
                 slots = table.slot_of[pairs]
                 slots[~keep] = slots[call.pairs[0]]  # any resident slot: these pairs' results are dropped
                 y = self.glu(x, device_indices(slots.reshape(idx.shape)))
-                out = y if out is None else mx.where(mx.array(keep.reshape(idx.shape))[..., None], y, out)
+                mask = device_indices(keep.reshape(idx.shape), np.bool_)
+                out = y if out is None else mx.where(mask[..., None], y, out)
                 mx.eval(out)
         cache.chunked(len(calls))
         if out is not None:
             return out
-        back = mx.array(np.argsort(np.concatenate([c.pairs for c in calls])))
+        back = device_indices(np.argsort(np.concatenate([c.pairs for c in calls])))
         return mx.concatenate(parts, axis=0)[back].reshape(*idx.shape, d)
 
 

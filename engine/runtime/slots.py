@@ -126,8 +126,9 @@ def index_block(values, dtype=np.uint32) -> np.ndarray:
 
 
 def device_indices(values, dtype=np.uint32) -> mx.array:
-    """Indices or addresses made on the host for the device to read (a layer's slots, a batch's
-    staging records, a staging area's address) as an MLX array of `dtype` and `values`' shape.
+    """Indices, addresses or masks made on the host for the device to read (a layer's slots, a
+    batch's staging records, a step's tokens, a staging area's address, a prefill's row mask) as
+    an MLX array of `dtype` and `values`' shape.
 
     Never in MLX's CUDA small pool, which serves every allocation of 8 bytes or fewer: on the
     H200 (mlx 0.32.4), after tests that cleared MLX's cache (`mx.clear_cache`, which mlx-lm's
