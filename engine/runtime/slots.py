@@ -132,11 +132,11 @@ def device_indices(values, dtype=np.uint32) -> mx.array:
 
     Never in MLX's CUDA small pool, which serves every allocation of 8 bytes or fewer: on the
     H200 (mlx 0.32.4), after tests that cleared MLX's cache (`mx.clear_cache`, which mlx-lm's
-    generate_step calls) on several streams, a gather whose slot indices were 8 uint8s there
-    read outside its slot buffer (an illegal memory access, 4 processes of 4); with the indices
-    as uint32 (32 bytes) the same order passed, as it did without the cache clearing, with one
-    stream or with blocking launches (docs/gpu.md). A smaller array is a view of a 16-byte
-    block, so that its buffer is never the pool's either."""
+    generate_step calls) on several streams, decoding with slot indices of 8 uint8s ended in an
+    illegal memory access (4 processes of 4); with the indices as uint32 (32 bytes) the same
+    order passed, as it did without the cache clearing, with one stream or with blocking
+    launches, and more synchronisation did not help (docs/gpu.md). A smaller array is a view of
+    a 16-byte block, so that its buffer is never the pool's either."""
     shape = np.shape(values)
     n = int(np.prod(shape))
     block = index_block(values, dtype)
