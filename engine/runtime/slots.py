@@ -137,11 +137,11 @@ def device_indices(values, dtype=np.uint32) -> mx.array:
     order passed, as it did without the cache clearing, with one stream or with blocking
     launches, and more synchronisation did not help (docs/gpu.md). A smaller array is a view of
     a 16-byte block, so that its buffer is never the pool's either."""
-    shape = np.shape(values)
-    n = int(np.prod(shape))
-    block = index_block(values, dtype)
-    arr = mx.array(block)
-    return (arr if block.size == n else arr[:n]).reshape(shape)
+    a = np.ascontiguousarray(values, dtype)
+    block = index_block(a, dtype)
+    if block.size == a.size:
+        return mx.array(a)  # in its shape: no reshape on the decode path
+    return mx.array(block)[: a.size].reshape(a.shape)
 
 
 def aligned_zeros(shape, dtype, align=4096):
