@@ -147,9 +147,10 @@ def served(tmp_path_factory):
     """One server for the module's requests: (base url, its log file)."""
     log = tmp_path_factory.mktemp("serve") / "server.log"
     proc, url = start_server(log)
-    # A fresh process's first answer on a CUDA GPU waits on MLX compiling its kernels: 110-142 s on
-    # the H200 with 16 test processes compiling at once (2 s on a CPU), past the clients' 120 s
-    # timeout. One answer first, so that the tests' timeouts time the server, not the compiler.
+    # A fresh process's first answer on a CUDA GPU waits on MLX compiling its kernels: the first test
+    # here took 110-142 s on the H200 with 16 test processes compiling at once (2 s on a CPU), and
+    # its first answer once came after the clients' 120 s timeout. One answer first, so that the
+    # tests' timeouts time the server, not the compiler.
     status, _, body = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=900)
     assert status == 200, body
     yield url, log
