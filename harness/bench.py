@@ -80,7 +80,8 @@ def add_args(p):
         choices=["on", "off", "both"],
         default="on",
         help="throughput: start each MoE layer's compute at once (on), only at the next sync "
-        "(off, suffix /serial), or run both",
+        "(off, suffix /serial), or run both; prefetch: with the device install, a prefetch on a stream of "
+        "its own (on) or on the decode stream (off, suffix /serial), or both",
     )
     p.add_argument(
         "--install",
@@ -552,8 +553,13 @@ def prefetch_bench(a):
     ref, tok, spec = registry.load_reference(mid)
     E = spec["experts"]
     S = a.slots[0] if a.slots else E // 4
-    configs = [("resident", 0, 0.0), ("none", 0, 0.0)] + [
-        (p, d, q) for p in a.predictors for d in a.depths for q in (a.min_probs if p in FITTED else [0.0])
+    overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
+    configs = [("resident", 0, 0.0, True), ("none", 0, 0.0, True)] + [
+        (p, d, q, ov)
+        for p in a.predictors
+        for d in a.depths
+        for q in (a.min_probs if p in FITTED else [0.0])
+        for ov in overlaps
     ]
     engines = {
         c: load(
@@ -566,6 +572,7 @@ def prefetch_bench(a):
                 depth=max(c[1], 1),
                 fit_set=a.set,
                 min_prob=c[2],
+                overlap=c[3],
             ),
         )
         for c in configs
@@ -585,15 +592,16 @@ def prefetch_bench(a):
     for eng in engines.values():
         eng.close()
     table = {}
-    for (name, d, q), runs in per_prompt.items():
+    for (name, d, q, ov), runs in per_prompt.items():
         tok_s = [r["tokens"] / r["seconds"] for r in runs]
         stall = [1e3 * r["stall_s"] / r["tokens"] for r in runs]
         tot = {k: sum(r[k] for r in runs) for k in counts}
-        table[f"{name}/d{d}" + (f"/p{q:g}" if q else "")] = dict(
+        table[f"{name}/d{d}" + (f"/p{q:g}" if q else "") + ("" if ov else "/serial")] = dict(
             predictor=name,
             depth=d,
             min_prob=q,
-            install=installs[(name, d, q)],
+            overlap=ov,
+            install=installs[(name, d, q, ov)],
             tok_s=_median(tok_s),
             tok_s_min=min(tok_s),
             tok_s_max=max(tok_s),

@@ -10,7 +10,8 @@
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
 #   syncfree (the device install beside the pinned one: throughput at S = 8, 16, 32 through
-#   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch),
+#   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch), oracle (that
+#   prefetch alone, on a stream of its own and on the decode stream, 5 prompts; needs build),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
@@ -124,7 +125,10 @@ for step in "$@"; do
           run $py -m harness bench throughput --model $full --tokens 32 --repeats 3 --slots 16 \
             --installs device pinned --record  # the engine's loop: the per-token split (graph, eval)
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
-            --depths 1 2 --prompts 3 --tokens 32 --record ;;
+            --depths 1 2 --prompts 3 --tokens 32 --overlap both --record ;;
+    oracle)  # the syncfree step's prefetch alone: the oracle's fills on their own stream and on the decode stream
+          run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
+            --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
               --installs pinned --overlap on --record ;;
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}

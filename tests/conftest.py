@@ -142,13 +142,13 @@ def fit_traces():
     return get
 
 
-def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace"):
+def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace", overlap=True):
     """Decode the reference's tokens with predictor `name` fitted on `fit`, prefetching at `depth`."""
     spec = MODELS[model_id]
     pred = predictors.make(name, depth, spec["top_k"]).fit(fit)
     eng = load(
         model_id,
-        EngineConfig(slots=slots or spec["experts"] // 4, eviction=eviction, install=install),
+        EngineConfig(slots=slots or spec["experts"] // 4, eviction=eviction, install=install, overlap=overlap),
         prefetcher=Prefetcher(pred, depth) if name != "none" else None,
     )
     try:

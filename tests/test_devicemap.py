@@ -173,19 +173,71 @@ def test_device_install_logits_bit_identical(reference, model_id, slots):
 
 
 @pytest.mark.parametrize(
-    "name,depth", [("oracle", 1), ("oracle", 2), ("probe", 1), ("transition", 1), ("popularity", 2), ("previous", 1),
-                   ("transition", 3)]
+    "name,depth,overlap", [("oracle", 1, True), ("oracle", 2, True), ("probe", 1, True), ("transition", 1, True),
+                           ("popularity", 2, True), ("previous", 1, True), ("transition", 3, True),
+                           ("oracle", 1, False), ("probe", 3, False)]
 )  # fmt: skip
-def test_device_prefetch_bit_identical(reference, fit_traces, name, depth):
+def test_device_prefetch_bit_identical(reference, fit_traces, name, depth, overlap):
     """Every predictor's prefetches through the device install, at depths that stay within the
     token and that wrap onto the next (3 = every layer of qwen3moe-tiny: onto the very layer
-    being computed): the logits stay mlx-lm's."""
+    being computed), on a stream of their own (`overlap`) or on the decode stream: the logits stay
+    mlx-lm's."""
     ref = reference("qwen3moe-tiny")
-    records, logits = run_with("qwen3moe-tiny", ref, name, depth, fit_traces("qwen3moe-tiny"), install="device")
+    fit = fit_traces("qwen3moe-tiny")
+    records, logits = run_with("qwen3moe-tiny", ref, name, depth, fit, install="device", overlap=overlap)
     assert max_abs_diff(ref["logits"], logits) == 0.0
     dec = records[1:]
     if name != "previous":  # `previous` predicts what is resident already
         assert sum(r["issued"] for r in dec) > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, reference, fit_traces, overlap):
+    """With `overlap`, each prefetch's map step runs on the thread's prefetch stream, after
+    everything it reads has been handed to an evaluation of its own, and what it makes is handed to
+    the next one: MLX's CUDA backend makes the host wait at a dependency between streams inside
+    one evaluation, which would put a host synchronisation back inside the token. Without
+    `overlap` the step queues on the decode stream."""
+    calls = []
+    real_async = mx.async_eval
+
+    def flat(args):
+        return [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+
+    def spy_async(*args):
+        calls.append(("eval", flat(args)))
+        return real_async(*args)
+
+    name = "prefetch_step_kernel" if device.kind() == "gpu" else "prefetch_step_ops"
+    real_step = getattr(devicemap, name)
+
+    def spy_step(state, inds, slots, protect_recent=False, stream=None):
+        on = stream if stream is not None else mx.default_stream(mx.default_device())
+        calls.append(("step", on, [inds, *state.arrays()]))
+        new, fill = real_step(state, inds, slots, protect_recent, stream=stream) if stream is not None else (
+            real_step(state, inds, slots, protect_recent))  # fmt: skip
+        calls.append(("made", new.arrays()))
+        return new, fill
+
+    monkeypatch.setattr(mx, "async_eval", spy_async)
+    monkeypatch.setattr(devicemap, name, spy_step)
+    ref = reference("qwen3moe-tiny")
+    _, logits = run_with(
+        "qwen3moe-tiny", ref, "oracle", 1, fit_traces("qwen3moe-tiny"), install="device", overlap=overlap
+    )
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    steps = [i for i, c in enumerate(calls) if c[0] == "step"]
+    assert len(steps) > 10
+    decode_stream = mx.default_stream(mx.default_device())
+    for i in steps:
+        _, on, read = calls[i]
+        if not overlap:
+            assert on == decode_stream
+            continue
+        assert on == devicemap.prefetch_stream() != decode_stream
+        assert calls[i - 1][0] == "eval" and all(any(a is b for b in calls[i - 1][1]) for a in read)
+        after = next(c for c in calls[i + 2 :] if c[0] == "eval")[1]
+        assert all(any(a is b for b in after) for a in calls[i + 1][1])
 
 
 def test_device_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fit_traces):

@@ -34,6 +34,8 @@ the indices back once per layer (a prefill is one call per prompt) and computes 
 batches of `moe.prefill_calls`, each through the same map step and fill.
 """
 
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -432,12 +434,34 @@ class DeviceStats(StepStats):
         return out
 
 
+_streams = threading.local()
+
+
+def prefetch_stream() -> mx.Stream:
+    """The calling thread's stream for prefetch work on the default device, made at its first use:
+    an MLX stream belongs to the thread that made it (on CUDA another thread cannot use it) and is
+    never freed, so one a thread, shared by the engines that thread decodes with."""
+    dev = mx.default_device()
+    key = str(dev)
+    made = getattr(_streams, "by_device", None)
+    if made is None:
+        made = _streams.by_device = {}
+    if key not in made:
+        made[key] = mx.new_stream(dev)
+    return made[key]
+
+
 class DeviceCache:
     """Every MoE layer's slot tables in device memory, their slot maps on the device and the host
     tier behind them (module docstring). The engine-wide counterpart of moe.ExpertCache for the
-    `device` install."""
+    `device` install.
 
-    def __init__(self, store, slots, mode: str | None = None, tier: HostTier | None = None, prefetcher=None):
+    `overlap`: a prefetch's map step and fill run on a stream of their own (`prefetch_stream`), so
+    that its reads overlap the decode stream's compute; otherwise they queue on the decode stream."""
+
+    def __init__(
+        self, store, slots, mode: str | None = None, tier: HostTier | None = None, prefetcher=None, overlap=True
+    ):
         if mode is None:
             mode = "kernel" if device.kind() == "gpu" and not device.pinned_unavailable() else "ops"
         if mode not in MODES:
@@ -459,8 +483,8 @@ class DeviceCache:
             self.fill_src = fill_source(self.tensors, self.tier.record_bytes, self.num_experts)
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
         self.prefetched = [None] * store.num_layers  # each layer's last prefetch fill (kernel mode's ordering)
-        # Prefetch fills on a stream of their own, so that their PCIe reads overlap compute.
-        self.prefetch_stream = mx.new_stream(mx.gpu) if mode == "kernel" else None
+        self.overlap = overlap
+        self.streams_used = set()  # the prefetch streams this cache queued work on (close waits for them)
         for layer, s in enumerate(per_layer):
             if s == self.num_experts:  # every expert resident: slot e = expert e, filled once
                 self.fill_all(layer)
@@ -498,19 +522,35 @@ class DeviceCache:
 
     def prefetch(self, layer: int, inds: mx.array, protect_recent: bool = False):
         """Fill `layer`'s slots with the predicted experts `inds` (int32, -1 = dropped), lazily,
-        ahead of its demand step (prefetch_step_ops)."""
+        ahead of its demand step (prefetch_step_ops).
+
+        With `overlap`, on the prefetch stream, and never with a dependency between the two streams
+        inside one evaluation: there MLX's CUDA backend makes the host wait for the other stream
+        (its `Fence::wait` is a host wait), while on an array of an earlier evaluation the stream
+        waits on the device (an event). So what the prefetch reads from the decode stream is
+        handed to an evaluation first, and the prefetch's own work gets one of its own, which the
+        decode stream's later readers of this layer (its demand step) then wait for on the device."""
         S = self.slots[layer]
+        stream = prefetch_stream() if self.overlap else None
+        if stream is not None:
+            self.streams_used.add(stream)
+            before = [inds, *self.states[layer].arrays(), *self.tables[layer], self.after[layer]]
+            mx.async_eval([a for a in before if a is not None])
         if self.mode == "kernel":
-            s2 = self.prefetch_stream
-            state, fill = prefetch_step_kernel(self.states[layer], inds, S, protect_recent, stream=s2)
+            state, fill = prefetch_step_kernel(self.states[layer], inds, S, protect_recent, stream=stream)
             self.prefetched[layer] = fill_kernel(
-                self.tier, self.layer_ids[layer], self.tables[layer], self.tensors, fill, (self.after[layer],), s2,
-                source=self.fill_src,
+                self.tier, self.layer_ids[layer], self.tables[layer], self.tensors, fill, (self.after[layer],),
+                stream, source=self.fill_src,
             )  # fmt: skip
+            made = [self.prefetched[layer], *state.arrays()]
         else:
-            state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
-            fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
-            mx.async_eval(state.arrays())
+            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+                state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
+                fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
+            made = [*state.arrays(), *self.tables[layer]]
+        # Not all of the new map feeds a later compute: evaluate it now (no wait), or a decode nobody
+        # reads counters from would chain every step's map to the next.
+        mx.async_eval(made)
         self.states[layer] = state
 
     # -- what the decode loop and the engine ask -------------------------------------------------
@@ -548,8 +588,10 @@ class DeviceCache:
         # prefetch runs on its own stream) read the host tier through its mapped address: once
         # it is unregistered, such a read is an illegal access that poisons every later CUDA call.
         mx.synchronize()
-        if self.prefetch_stream is not None:
-            mx.synchronize(self.prefetch_stream)
+        mine = getattr(_streams, "by_device", {}).values()  # another thread's streams cannot be named here
+        for stream in self.streams_used:
+            if stream in mine:
+                mx.synchronize(stream)
         hosttier.release(self.tier)
 
 

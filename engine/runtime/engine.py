@@ -92,7 +92,7 @@ class Engine:
                 device_pf = None
                 if prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
                     device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, len(blocks), num_experts)
-                self.cache = DeviceCache(self.store, slots, prefetcher=device_pf)
+                self.cache = DeviceCache(self.store, slots, prefetcher=device_pf, overlap=config.overlap)
             except BaseException:
                 self.store.close()
                 raise

@@ -134,7 +134,11 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     `bench prefetch` run (medians over its prompts), at its best depth, beside demand loading."""
     fig = dict(zip(prefetch["figure"], prefetch["value"]))
     res = fig.get("tok_s[resident/d0/device]")
-    depths = {f.split("/d")[1].split("/")[0]: v for f, v in fig.items() if f.startswith("tok_s[oracle/d")}
+    depths = {  # the default, a prefetch on a stream of its own (not `/serial`)
+        f.split("/d")[1].split("/")[0]: v
+        for f, v in fig.items()
+        if f.startswith("tok_s[oracle/d") and "/serial" not in f
+    }
     if not res or not depths:
         return ""
     d, best = max(depths.items(), key=lambda kv: kv[1])
