@@ -59,6 +59,8 @@ class EngineConfig:
     fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
     trace_tokens: int = 32  # decode tokens per prompt in those traces
     staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
-    overlap: bool = True  # start each MoE layer's compute at once (async) rather than at the next sync
+    # start each MoE layer's compute at once (async) rather than at the next sync; with the device
+    # install, prefetches on a stream of their own rather than on the decode stream
+    overlap: bool = True
     memory: int | None = None  # a memory budget in bytes instead of `slots` (engine.memory picks S)
     context: int = 4096  # tokens of KV cache the memory budget keeps room for
