@@ -27,7 +27,13 @@ from . import provenance, rawlog, records
 
 GATE, EXPERIMENT = "tests", "suite"
 # Independent tests, spread over the shards one by one (on a GPU each compiles its own kernels).
-SPLIT = ("tests/test_architectures.py", "tests/test_exactness.py", "tests/test_staging.py", "tests/test_prefetch.py")
+SPLIT = (
+    "tests/test_architectures.py",
+    "tests/test_exactness.py",
+    "tests/test_staging.py",
+    "tests/test_prefetch.py",
+    "tests/test_use.py",  # 870 s in one shard on the H200 (2026-12-03); its tests share no fixture
+)
 TOGETHER = ("tests/test_workflow.py", "tests/test_harness.py", "tests/test_cli.py")
 IGNORED_PARTS = ("__pycache__",)
 

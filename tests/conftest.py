@@ -107,6 +107,12 @@ def reference():
     return get
 
 
+def run_cli(*args, stdin=None):
+    """`python -m engine ARGS` in the repository, its output captured."""
+    return subprocess.run([sys.executable, "-m", "engine", *args], input=stdin, capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)  # fmt: skip
+
+
 def run_engine(model_id, ref, **cfg):
     """Decode the reference's tokens through the engine (teacher-forced): records, logits, counters."""
     eng = load(model_id, EngineConfig(**cfg))

@@ -45,7 +45,7 @@ def test_the_tree_hash_is_gits_own(tmp_path):
 
 def test_shards_keep_files_whole_but_the_independent_ones():
     ids = [f"tests/test_architectures.py::t[{i}]" for i in range(6)]
-    ids += [f"tests/test_use.py::u{i}" for i in range(3)]
+    ids += [f"tests/test_serve.py::u{i}" for i in range(3)]
     ids += ["tests/test_workflow.py::w", "tests/test_harness.py::h", "tests/test_cli.py::c"]
     groups = suite.shards(ids, 4)
     assert sorted(t for g in groups for t in g) == sorted(ids)  # each test once
@@ -54,15 +54,15 @@ def test_shards_keep_files_whole_but_the_independent_ones():
         t.split("::")[0]: {i for i, g in enumerate(groups) if any(x.startswith(t.split("::")[0]) for x in g)}
         for t in ids
     }
-    assert len(home["tests/test_use.py"]) == 1
+    assert len(home["tests/test_serve.py"]) == 1
     together = {i for i, g in enumerate(groups) for t in g if t.split("::")[0] in suite.TOGETHER}
     assert len(together) == 1  # Snakemake locks the checkout: one process for the workflow's tests
     assert len(home["tests/test_architectures.py"]) > 1
     # with a former run's seconds, a slow file gets a shard to itself and the rest share the others
-    slow = {t: (300.0 if t.startswith("tests/test_use.py") else 1.0) for t in ids}
+    slow = {t: (300.0 if t.startswith("tests/test_serve.py") else 1.0) for t in ids}
     weighted = suite.shards(ids, 3, slow)
     assert sorted(t for g in weighted for t in g) == sorted(ids)
-    assert any(g == [t for t in ids if t.startswith("tests/test_use.py")] for g in weighted)
+    assert any(g == [t for t in ids if t.startswith("tests/test_serve.py")] for g in weighted)
 
 
 def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):

@@ -1,29 +1,21 @@
-"""Using the engine as one uses mlx-lm: `generate` (mlx-lm's stream_generate with its samplers),
-a memory budget instead of a slot count, and an OpenAI-compatible server."""
+"""Using the engine as one uses mlx-lm: `generate` (mlx-lm's stream_generate with its samplers), a
+memory budget instead of a slot count, the command line (the server: tests/test_serve.py)."""
 
-import concurrent.futures
 import json
-import socket
 import subprocess
 import sys
-import time
 
 import mlx_lm
 import pytest
 from conftest import ROOT
+from conftest import run_cli as run
 
 from engine import generate as generation
 from engine import load
 from engine.memory import parse_size, plan
 from engine.models.registry import load_reference
-from harness import servebench
 
 MODEL = "qwen3moe-tiny"
-
-
-def run(*args, stdin=None):
-    return subprocess.run([sys.executable, "-m", "engine", *args], input=stdin, capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)  # fmt: skip
 
 
 # -- generate --------------------------------------------------------------------------------------
@@ -133,214 +125,6 @@ def test_a_budget_too_small_is_refused_naming_what_it_needs():
     r = run("decode", "--model", MODEL, "--memory", "1MB", "--context", "64", "--tokens", "2")
     assert r.returncode == 2
     assert "--memory 1.0 MB cannot hold this model" in r.stderr and "top-8 experts" in r.stderr, r.stderr
-
-
-# -- the server ------------------------------------------------------------------------------------
-def start_server(log_path, *options):
-    """`python -m engine serve` on a free loopback port; returns (process, base url) once it listens."""
-    command = [sys.executable, "-m", "engine", "serve", "--model", MODEL, "--slots", "16", *options]
-    return servebench.start(command, log_path, timeout=180, cwd=ROOT)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One server for the module's requests: (base url, its log file)."""
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    proc, url = start_server(log)
-    # A fresh process's first answer on a CUDA GPU waits on MLX compiling its kernels: the first test
-    # here took 110-142 s on the H200 with 16 test processes compiling at once (2 s on a CPU), and
-    # its first answer once came after the clients' 120 s timeout. One answer first, so that the
-    # tests' timeouts time the server, not the compiler.
-    status, _, body = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=900)
-    assert status == 200, body
-    yield url, log
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def server(served):
-    return served[0] + "/v1"
-
-
-def client(url):
-    import openai  # the tests' own dependency: a real OpenAI client
-
-    return openai.OpenAI(base_url=url, api_key="not-needed", max_retries=0, timeout=120)
-
-
-def post(url, body, timeout=120):
-    """(status, headers, parsed body) of a POST of `body` (bytes, or an object sent as JSON)."""
-    import urllib.error
-    import urllib.request
-
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), json.loads(e.read() or b"null")
-
-
-def get(url):
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
-
-
-def greedy(prompt, tokens):
-    """Plain mlx-lm's greedy text, as its streaming detokenizer (and so its server) writes it."""
-    model, tok, _ = load_reference(MODEL)
-    return "".join(r.text for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=tokens))
-
-
-def test_the_server_answers_a_streamed_chat_and_a_plain_completion(server):
-    c = client(server)
-    chunks = c.chat.completions.create(
-        model="default_model", messages=[{"role": "user", "content": "def main():"}], max_tokens=8, temperature=0,
-        stream=True,
-    )  # fmt: skip
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert streamed
-    done = c.completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0)
-    assert done.choices[0].text and done.usage.completion_tokens == 8
-    assert done.choices[0].text == greedy("def fibonacci(n):", 8)  # greedy through the server: plain mlx-lm's
-
-
-def test_two_clients_at_once_get_what_each_would_alone(server):
-    c = client(server)
-    prompts = ["import os\n", "class Stack:"]
-
-    def ask(p):
-        return c.completions.create(model="default_model", prompt=p, max_tokens=10, temperature=0).choices[0].text
-
-    alone = [ask(p) for p in prompts]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        together = list(pool.map(ask, prompts))
-    assert together == alone
-
-
-def test_the_server_lists_its_model_and_serves_no_other(server):
-    status, listing = get(f"{server}/models")
-    assert status == 200 and [m["id"] for m in listing["data"]] == [MODEL]
-    assert get(f"{server}/models/{MODEL}")[0] == 200
-    assert get(f"{server}/models/olmoe-1b-7b-shape")[0] == 404
-    # another registered model is refused, not loaded or built on demand
-    status, _, body = post(f"{server}/completions", {"model": "olmoe-1b-7b-shape", "prompt": "x", "max_tokens": 2})
-    assert status == 404 and MODEL in body["error"]
-
-
-@pytest.mark.parametrize(
-    "path,body,says",
-    [
-        ("chat/completions", b"{not json", "Invalid JSON"),
-        ("chat/completions", {"messages": [], "max_tokens": 2}, "non-empty list"),
-        ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text part"),
-        ("chat/completions", {"messages": "hello"}, "non-empty list"),
-        ("completions", {"prompt": "x", "max_tokens": 100000}, "context of"),
-        ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ("completions", {"prompt": "", "max_tokens": 2}, "prompt must be"),
-        ("completions", {"max_tokens": 2}, "prompt must be"),
-        ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
-        ("completions", [1, 2], "JSON dictionary"),
-    ],
-)  # fmt: skip
-def test_a_malformed_request_gets_a_400_naming_the_field_and_the_server_keeps_serving(server, path, body, says):
-    status, _, answer = post(f"{server}/{path}", body)
-    assert status == 400 and says in answer["error"], (status, answer)
-    ok = client(server).completions.create(model="default_model", prompt="x = 1", max_tokens=3, temperature=0)
-    assert ok.choices[0].text is not None
-
-
-def test_eight_clients_at_once_one_leaving_mid_stream_one_malformed(served):
-    """The load and abuse test: eight clients at once. Six ask well-formed greedy questions and get
-    plain mlx-lm's answers; one streams with a huge max_tokens and hangs up after three chunks (its
-    generation stops: the log says so); one sends malformed bodies (each a 4xx)."""
-    base, log = served
-    url = base + "/v1"
-    prompts = ["def add(a, b):", "import sys\n", "class Node:", "for i in range(", "x = [", "while True:"]
-    want = {p: greedy(p, 6) for p in prompts}
-
-    def ask(p):
-        return client(url).completions.create(model="default_model", prompt=p, max_tokens=6, temperature=0)
-
-    def leave_mid_stream():
-        host, port = base.split("//")[1].split(":")
-        body = json.dumps({"prompt": "def f(x):", "max_tokens": 4000, "stream": True}).encode()
-        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            stream = sock.makefile("rb")
-            chunks = 0
-            while chunks < 3:
-                chunks += stream.readline().startswith(b"data:")
-            stream.close()
-            sock.shutdown(socket.SHUT_RDWR)
-        return chunks
-
-    def malformed():
-        bodies = [b"{", b"[]", json.dumps({"messages": []}).encode(), json.dumps({"prompt": 7}).encode()]
-        return [post(f"{url}/chat/completions", b)[0] for b in bodies]
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = {p: pool.submit(ask, p) for p in prompts}
-        left = pool.submit(leave_mid_stream)
-        bad = pool.submit(malformed)
-        got = {p: f.result(timeout=300) for p, f in answers.items()}
-        assert left.result(timeout=300) == 3
-        assert all(400 <= code < 500 for code in bad.result(timeout=300))
-    for p in prompts:
-        assert got[p].choices[0].text == want[p], p
-    deadline = time.monotonic() + 60
-    while "client went away" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    stopped = [line for line in log.read_text().splitlines() if "client went away" in line]
-    assert stopped and all(int(line.split("after ")[1].split()[0]) < 4000 for line in stopped)
-    assert "Traceback" not in log.read_text()
-
-
-def test_a_full_queue_is_told_to_retry_and_a_long_request_stops_at_its_time_limit(tmp_path):
-    proc, base = start_server(tmp_path / "server.log", "--queue", "1", "--request-timeout", "3")
-    no_end = {load_reference(MODEL)[1].eos_token_id: -1e9}  # so that only the time limit can end it
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            ask = {"prompt": "def f(x):", "max_tokens": 4000, "logit_bias": no_end}
-            long = pool.submit(post, f"{base}/v1/completions", ask)
-            time.sleep(1)  # the long request is in the server
-            status, headers, body = post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})
-            assert status == 503 and int(headers["Retry-After"]) > 0 and "--queue" in body["error"]
-            status, _, done = long.result(timeout=120)
-        assert status == 200 and done["choices"][0]["finish_reason"] == "length"
-        assert done["usage"]["completion_tokens"] < 4000
-        assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # its turn now
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-@pytest.mark.parametrize(
-    "options,says",
-    [
-        (["--slots", "4"], "--slots 4: below the model's top_k"),
-        (["--slots", "16", "--max-tokens", "0"], "--max-tokens 0"),
-        (["--slots", "16", "--max-tokens", "999999"], "--max-tokens 999999"),
-        (["--slots", "16", "--predictor", "transition", "--depth", "99"], "--depth 99"),
-        (["--slots", "16", "--queue", "0"], "--queue"),
-        (["--slots", "16", "--request-timeout", "inf"], "--request-timeout"),
-        (["--slots", "16", "--adapter-path", "x"], "--adapter-path"),
-    ],
-)  # fmt: skip
-def test_a_bad_serve_option_is_refused_before_the_port_opens(options, says):
-    r = run("serve", "--model", MODEL, "--port", "0", *options)
-    assert r.returncode == 2 and says in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
 
 
 def test_a_listing_piped_into_a_reader_that_stops_early_ends_quietly():
