@@ -154,7 +154,7 @@ def throughput(a):
         engines = {}
     ids = prompt_ids(tok, a.prompt_tokens, a.set)  # before the offloaded engines load: a bad option wastes little
     installs = a.installs or ["auto"]
-    overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
+    overlaps = OVERLAPS[a.overlap]
     for s in a.slots:
         for inst in installs:
             for ov in overlaps:
@@ -544,6 +544,9 @@ def install(a):
     return out
 
 
+OVERLAPS = {"on": [True], "off": [False], "both": [True, False]}  # --overlap: the settings to run
+
+
 def prefetch_bench(a):
     """Demand loading against every predictor and depth at S = E/4 (or --slots), with resident
     decoding (S = E) in the same run. Each prompt is one repetition: every configuration decodes
@@ -553,7 +556,7 @@ def prefetch_bench(a):
     ref, tok, spec = registry.load_reference(mid)
     E = spec["experts"]
     S = a.slots[0] if a.slots else E // 4
-    overlaps = {"on": [True], "off": [False], "both": [True, False]}[a.overlap]
+    overlaps = OVERLAPS[a.overlap]
     configs = [("resident", 0, 0.0, True), ("none", 0, 0.0, True)] + [
         (p, d, q, ov)
         for p in a.predictors

@@ -437,18 +437,19 @@ class DeviceStats(StepStats):
 _streams = threading.local()
 
 
+def _thread_streams() -> dict:
+    """This thread's prefetch streams, by device."""
+    return _streams.__dict__.setdefault("by_device", {})
+
+
 def prefetch_stream() -> mx.Stream:
     """The calling thread's stream for prefetch work on the default device, made at its first use:
     an MLX stream belongs to the thread that made it (on CUDA another thread cannot use it) and is
     never freed, so one a thread, shared by the engines that thread decodes with."""
-    dev = mx.default_device()
-    key = str(dev)
-    made = getattr(_streams, "by_device", None)
-    if made is None:
-        made = _streams.by_device = {}
-    if key not in made:
-        made[key] = mx.new_stream(dev)
-    return made[key]
+    made, dev = _thread_streams(), mx.default_device()
+    if str(dev) not in made:
+        made[str(dev)] = mx.new_stream(dev)
+    return made[str(dev)]
 
 
 class DeviceCache:
@@ -548,9 +549,11 @@ class DeviceCache:
                 state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
                 fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
             made = [*state.arrays(), *self.tables[layer]]
-        # Not all of the new map feeds a later compute: evaluate it now (no wait), or a decode nobody
-        # reads counters from would chain every step's map to the next.
-        mx.async_eval(made)
+        # On its own stream the prefetch needs an evaluation of its own (above). The ops' map, not
+        # all of which feeds a later compute, is evaluated now too (no wait), or a decode nobody
+        # reads counters from would chain every step's map to the next; the map kernel reads all of it.
+        if stream is not None or self.mode == "ops":
+            mx.async_eval(made)
         self.states[layer] = state
 
     # -- what the decode loop and the engine ask -------------------------------------------------
@@ -588,7 +591,7 @@ class DeviceCache:
         # prefetch runs on its own stream) read the host tier through its mapped address: once
         # it is unregistered, such a read is an illegal access that poisons every later CUDA call.
         mx.synchronize()
-        mine = getattr(_streams, "by_device", {}).values()  # another thread's streams cannot be named here
+        mine = _thread_streams().values()  # another thread's streams cannot be named here
         for stream in self.streams_used:
             if stream in mine:
                 mx.synchronize(stream)
