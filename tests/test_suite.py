@@ -228,7 +228,13 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     newer = bench_rows([(*pf, k, v) for k, v in figs.items()])
     text = docblocks.device_install(pd.concat([bench_rows(rows), newer, older]))
     assert "the oracle's prefetch at S = 16 0.50× at its best depth (d = 2), target 0.8 missed by 0.30" in text
-    assert "demand loading 0.80× in the same run" in text
+    assert "on the decode stream (`--overlap off`) 0.75× (d = 1), demand loading 0.80× in the same run" in text
+    assert "(the default prefetch slower than the decode stream and demand loading)" in text
+    # a default faster than both says nothing of the kind
+    quick = {**figs, "tok_s[oracle/d2/device]": 170.0}
+    text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))
+    assert "0.85× at its best depth (d = 2), target 0.8 met, on the decode stream" in text
+    assert "slower than" not in text
 
 
 def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():
