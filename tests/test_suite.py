@@ -213,7 +213,7 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
         rows += [("gpu", "H200", "h", "throughput", "olmoe-1b-7b-shape", None, None, None, 32, f, v)
                  for f, v in figs.items()]  # fmt: skip
     text = docblocks.device_install(bench_rows(rows))
-    assert "median of 5 interleaved repeats" in text
+    assert "median of 5 interleaved repeats of 32 tokens, each against resident" in text
     assert "S = 8 0.70× [0.60, 0.80], 118 tok/s, target 0.4 met, `pinned` 0.15×" in text
     assert "S = 16 0.58× [0.50, 0.70], 118 tok/s, target 0.6 missed within the spread" in text
     assert "S = 32 0.66× [0.60, 0.70], 118 tok/s, target 0.75 missed by 0.09" in text

@@ -111,7 +111,8 @@ def device_install(bench: pd.DataFrame) -> str:
     res = fig.get("memory_bytes[S=E@mlx-lm]")
     text = (
         f"On `{model}` through mlx-lm's `generate_step`, the `device` install decodes at these multiples of "
-        f"resident decoding (median of {int(fig['repeats[S=E@mlx-lm]'])} interleaved repeats, each against "
+        f"resident decoding (median of {int(fig['repeats[S=E@mlx-lm]'])} interleaved repeats of "
+        f"{int(b.loc[b['figure'] == 'repeats[S=E@mlx-lm]', 'tokens'].iloc[0])} tokens, each against "
         "resident in the same repeat, [min, max]): " + "; ".join(parts)
     )
     if mem.get(16) and res:
