@@ -37,6 +37,7 @@ from engine.tracing import trace
 from . import provenance, rawlog, servebench
 
 DEFAULT_MODEL = {"throughput": "olmoe-tiny-f32", "prefetch": "olmoe-tiny-f32", "serve": "olmoe-tiny-f32"}
+OVERLAPS = {"on": [True], "off": [False], "both": [True, False]}  # --overlap: the settings to run
 
 
 def model_of(a) -> str:
@@ -77,7 +78,7 @@ def add_args(p):
     )
     p.add_argument(
         "--overlap",
-        choices=["on", "off", "both"],
+        choices=list(OVERLAPS),
         default="on",
         help="throughput: start each MoE layer's compute at once (on), only at the next sync "
         "(off, suffix /serial), or run both; prefetch: with the device install, a prefetch on a stream of "
@@ -542,9 +543,6 @@ def install(a):
     print("  where a copy-mode install goes (ms per expert): " + ", ".join(f"{k} {v:.3f}" for k, v in diag.items()))
     print(f"  fresh write / (array + write of a resident array) = {out['ratio_fresh_vs_parts']:.2f}")
     return out
-
-
-OVERLAPS = {"on": [True], "off": [False], "both": [True, False]}  # --overlap: the settings to run
 
 
 def prefetch_bench(a):

@@ -157,9 +157,8 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
         text += f", on the decode stream (`--overlap off`) {serial[1] / res:.2f}× (d = {serial[0]})"
     if demand:
         text += f", demand loading {demand / res:.2f}× in the same run"
-    slower = [
-        name for name, v in (("the decode stream", serial and serial[1]), ("demand loading", demand)) if v and v > tok
-    ]
+    rivals = {"the decode stream": serial[1] if serial else None, "demand loading": demand}
+    slower = [name for name, v in rivals.items() if v and v > tok]
     if slower:
         text += " (the default prefetch slower than " + " and ".join(slower) + ")"
     return text
