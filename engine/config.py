@@ -43,6 +43,14 @@ def build_lock(out: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def resolved_overlap(overlap: bool | None, install: str) -> bool:
+    """`EngineConfig.overlap` for an install: as asked, or by default on for the host installs (a
+    layer's compute starts at once) and off for the device install, whose prefetches then queue on
+    the decode stream: on the H200 a stream of their own cost more host time per token than their
+    reads overlapped (0.40-0.45x of resident against 0.54-0.56x for the oracle at S = 16, docs/gpu.md)."""
+    return (install != "device") if overlap is None else overlap
+
+
 @dataclass
 class EngineConfig:
     slots: int | None = None  # None: every expert resident (S = E)
@@ -59,8 +67,9 @@ class EngineConfig:
     fit_set: str = "general"  # the prompt set whose fit traces fitted predictors learn from
     trace_tokens: int = 32  # decode tokens per prompt in those traces
     staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
-    # start each MoE layer's compute at once (async) rather than at the next sync; with the device
-    # install, prefetches on a stream of their own rather than on the decode stream
-    overlap: bool = True
+    # True: start each MoE layer's compute at once (async) rather than at the next sync, and with the
+    # device install prefetch on a stream of its own rather than on the decode stream. None: what
+    # measured faster for the install (resolved_overlap)
+    overlap: bool | None = None
     memory: int | None = None  # a memory budget in bytes instead of `slots` (engine.memory picks S)
     context: int = 4096  # tokens of KV cache the memory budget keeps room for

@@ -23,7 +23,7 @@ from mlx_lm.generate import generate_step
 
 from engine import api, cudart, device, load
 from engine.arguments import positive, probability
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolved_overlap
 from engine.models import registry
 from engine.predict import prompts
 from engine.predict.predictors import FITTED
@@ -37,7 +37,8 @@ from engine.tracing import trace
 from . import provenance, rawlog, servebench
 
 DEFAULT_MODEL = {"throughput": "olmoe-tiny-f32", "prefetch": "olmoe-tiny-f32", "serve": "olmoe-tiny-f32"}
-OVERLAPS = {"on": [True], "off": [False], "both": [True, False]}  # --overlap: the settings to run
+# --overlap: the settings to run (None: the engine's default for the install, config.resolved_overlap)
+OVERLAPS = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
 
 
 def model_of(a) -> str:
@@ -79,10 +80,11 @@ def add_args(p):
     p.add_argument(
         "--overlap",
         choices=list(OVERLAPS),
-        default="on",
+        default="auto",
         help="throughput: start each MoE layer's compute at once (on), only at the next sync "
         "(off, suffix /serial), or run both; prefetch: with the device install, a prefetch on a stream of "
-        "its own (on) or on the decode stream (off, suffix /serial), or both",
+        "its own (on) or on the decode stream (off, suffix /serial), or both; auto: the engine's default "
+        "(on for the host installs, the decode stream for the device install)",
     )
     p.add_argument(
         "--install",
@@ -159,7 +161,7 @@ def throughput(a):
     for s in a.slots:
         for inst in installs:
             for ov in overlaps:
-                key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("" if ov else "/serial")
+                key = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}") + ("/serial" if ov is False else "")
                 engines[key] = load(mid, EngineConfig(slots=s, tier=a.tier, install=inst, overlap=ov))
     models = {**({"mlx-lm": ref} if resident else {}), **{k: e.model for k, e in engines.items()}}
     runs = {k: [] for k in models}
@@ -593,7 +595,8 @@ def prefetch_bench(a):
     for eng in engines.values():
         eng.close()
     table = {}
-    for (name, d, q, ov), runs in per_prompt.items():
+    for (name, d, q, asked), runs in per_prompt.items():
+        ov = resolved_overlap(asked, installs[(name, d, q, asked)])  # the row says where it ran
         tok_s = [r["tokens"] / r["seconds"] for r in runs]
         stall = [1e3 * r["stall_s"] / r["tokens"] for r in runs]
         tot = {k: sum(r[k] for r in runs) for k in counts}
@@ -602,7 +605,7 @@ def prefetch_bench(a):
             depth=d,
             min_prob=q,
             overlap=ov,
-            install=installs[(name, d, q, ov)],
+            install=installs[(name, d, q, asked)],
             tok_s=_median(tok_s),
             tok_s_min=min(tok_s),
             tok_s_max=max(tok_s),

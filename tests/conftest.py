@@ -148,7 +148,7 @@ def fit_traces():
     return get
 
 
-def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace", overlap=True):
+def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace", overlap=None):
     """Decode the reference's tokens with predictor `name` fitted on `fit`, prefetching at `depth`."""
     spec = MODELS[model_id]
     pred = predictors.make(name, depth, spec["top_k"]).fit(fit)

@@ -13,6 +13,7 @@ import pytest
 from conftest import MODELS, gpu_only, run_engine, run_with
 
 from engine import EngineConfig, device, load, max_abs_diff
+from engine.config import resolved_overlap
 from engine.models import registry
 from engine.models.registry import load_reference
 from engine.runtime import devicemap, hosttier, moe
@@ -191,13 +192,25 @@ def test_device_prefetch_bit_identical(reference, fit_traces, name, depth, overl
         assert sum(r["issued"] for r in dec) > 0
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+def test_the_device_install_prefetches_on_the_decode_stream_unless_asked():
+    """`overlap` unset: the host installs start each layer's compute at once, the device install
+    queues its prefetches on the decode stream (measured faster on the H200, docs/gpu.md); an
+    explicit setting is kept for every install."""
+    for install in ("inplace", "copy", "pinned"):
+        assert resolved_overlap(None, install) is True
+        assert resolved_overlap(False, install) is False
+    assert resolved_overlap(None, "device") is False
+    assert resolved_overlap(True, "device") is True
+    assert EngineConfig().overlap is None
+
+
+@pytest.mark.parametrize("overlap", [True, False, None])
 def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, reference, fit_traces, overlap):
     """With `overlap`, each prefetch's map step runs on the thread's prefetch stream, after
     everything it reads has been handed to an evaluation of its own, and what it makes is handed to
     the next one: MLX's CUDA backend makes the host wait at a dependency between streams inside
     one evaluation, which would put a host synchronisation back inside the token. Without
-    `overlap` the step queues on the decode stream."""
+    `overlap`, as by default (None), the step queues on the decode stream."""
     calls = []
     real_async = mx.async_eval
 
@@ -231,7 +244,7 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
     decode_stream = mx.default_stream(mx.default_device())
     for i in steps:
         _, on, read = calls[i]
-        if not overlap:
+        if overlap is not True:
             assert on == decode_stream
             continue
         assert on == devicemap.prefetch_stream() != decode_stream

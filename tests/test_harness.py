@@ -724,3 +724,24 @@ def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path
     monkeypatch.setattr(plotting, "_empty", lambda *a: pytest.fail(f"drew the no-results card: {a}"))
     plotting.memory(figdir)  # gate C has nothing yet: the bench's runs alone make the figure
     assert (figdir / "throughput_vs_memory.png").exists()
+
+
+def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys):
+    """bench prefetch with the device install and `--overlap` left to the engine (auto): the
+    oracle's row is the decode stream's (`/serial`, overlap false), the engine's default there; asked
+    for both, each stream has its row, and demand loading and resident decoding keep theirs."""
+    import argparse
+
+    from harness import bench
+
+    a = argparse.Namespace(
+        model="qwen3moe-tiny", slots=[8], tier="page_cache", install="device", predictors=["oracle"],
+        depths=[1], min_probs=[0.0], set="general", prompts=1, tokens=3, overlap="auto",
+    )  # fmt: skip
+    rows = bench.prefetch_bench(a)["results"]
+    assert set(rows) == {"resident/d0", "none/d0", "oracle/d1/serial"}
+    assert rows["oracle/d1/serial"]["overlap"] is False and rows["oracle/d1/serial"]["install"] == "device"
+    a.overlap = "both"
+    rows = bench.prefetch_bench(a)["results"]
+    assert set(rows) == {"resident/d0", "none/d0", "oracle/d1", "oracle/d1/serial"}
+    assert rows["oracle/d1"]["overlap"] is True

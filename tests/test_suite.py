@@ -221,20 +221,36 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     assert "no throughput record" in docblocks.device_install(bench_rows([]))
     # the oracle's prefetch, from one run of `bench prefetch` (another run's figures never mixed in)
     pf = ("gpu", "H200", "h", "prefetch", "olmoe-1b-7b-shape", "page_cache", 16, "general", 32)
-    figs = {"tok_s[resident/d0/device]": 200.0, "tok_s[none/d0/device]": 160.0, "tok_s[oracle/d1/device]": 80.0,
-            "tok_s[oracle/d2/device]": 100.0, "tok_s[oracle/d1/serial/device]": 150.0}  # fmt: skip
-    # (`/serial`: the ablation, a prefetch on the decode stream; the sentence is the default's)
-    older = bench_rows([(*pf, "tok_s[oracle/d1/device]", 190.0)], run_id="20261201T000000000Z-bbbbbb")
+    figs = {"tok_s[resident/d0/device]": 200.0, "tok_s[none/d0/device]": 160.0, "tok_s[oracle/d1/device]": 150.0,
+            "tok_s[oracle/d1/serial/device]": 80.0, "tok_s[oracle/d2/serial/device]": 100.0}  # fmt: skip
+    # (`/serial`: a prefetch on the decode stream, the engine's default; without it, on a stream of its own)
+    older = bench_rows([(*pf, "tok_s[oracle/d1/serial/device]", 190.0)], run_id="20261201T000000000Z-bbbbbb")
     newer = bench_rows([(*pf, k, v) for k, v in figs.items()])
     text = docblocks.device_install(pd.concat([bench_rows(rows), newer, older]))
-    assert "the oracle's prefetch at S = 16 0.50× at its best depth (d = 2), target 0.8 missed by 0.30" in text
-    assert "on the decode stream (`--overlap off`) 0.75× (d = 1), demand loading 0.80× in the same run" in text
-    assert "(the default prefetch slower than the decode stream and demand loading)" in text
+    assert (
+        "the oracle's prefetch at S = 16 0.50× at its best depth (d = 2), on the decode stream (the default), "
+        "target 0.8 missed by 0.30, on a stream of its own (`--overlap on`) 0.75× (d = 1), "
+        "demand loading 0.80× in the same run (the default prefetch slower than a stream of its own and demand "
+        "loading)"
+    ) in text
     # a default faster than both says nothing of the kind
-    quick = {**figs, "tok_s[oracle/d2/device]": 170.0}
+    quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))
-    assert "0.85× at its best depth (d = 2), target 0.8 met, on the decode stream" in text
+    assert "0.85× at its best depth (d = 2), on the decode stream (the default), target 0.8 met, on a stream" in text
     assert "slower than" not in text
+    # a run with only the other stream's figure names that stream, not the default
+    own = {k: v for k, v in figs.items() if "serial" not in k}
+    text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in own.items()])]))
+    assert "0.75× at its best depth (d = 1), on a stream of its own (`--overlap on`), target 0.8 missed by 0.05" in text
+    assert "(this prefetch slower than demand loading)" in text
+
+
+def test_the_readme_names_the_engines_default_stream_for_a_device_prefetch():
+    """The report layer imports no engine: its idea of the default stream is a constant that must
+    agree with the engine's own choice."""
+    from engine.config import resolved_overlap
+
+    assert docblocks.DEVICE_PREFETCH_ON_DECODE_STREAM is (not resolved_overlap(None, "device"))
 
 
 def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():

@@ -7,7 +7,7 @@ import sys
 import mlx.core as mx
 
 from .. import device
-from ..config import EngineConfig, build_lock, resources_dir
+from ..config import EngineConfig, build_lock, resolved_overlap, resources_dir
 from ..models.anatomy import expert_params, moe_blocks, top_k_of
 from ..predict import predictors
 from . import hosttier
@@ -92,7 +92,9 @@ class Engine:
                 device_pf = None
                 if prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
                     device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, len(blocks), num_experts)
-                self.cache = DeviceCache(self.store, slots, prefetcher=device_pf, overlap=config.overlap)
+                self.cache = DeviceCache(
+                    self.store, slots, prefetcher=device_pf, overlap=resolved_overlap(config.overlap, "device")
+                )
             except BaseException:
                 self.store.close()
                 raise
@@ -108,7 +110,7 @@ class Engine:
                 prefetcher,
                 config.sync,
                 config.staging_records,
-                config.overlap,
+                resolved_overlap(config.overlap, self.install),
             )
             self.tables = self.cache.tables
             for o, b in enumerate(blocks):
