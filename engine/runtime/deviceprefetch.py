@@ -2,7 +2,7 @@
 from what the device already holds, and issued through the target layer's slot map and fill
 (`DeviceCache.prefetch`) on a stream of its own, so that no prediction reads anything back.
 
-- oracle: the trace of the very run, uploaded a layer at a time (the host knows the position);
+- oracle: the trace of the very run, uploaded once it is bound, a layer's row sliced from it;
 - popularity: a constant per target layer;
 - previous: the experts the target layer used at the last decode step (kept on the device);
 - transition: the fitted counts of layer l -> l+d on the device, summed over this token's experts
@@ -32,6 +32,7 @@ class DevicePrefetch:
         self._const = {}  # popularity: target -> its prediction
         self._counts = {}  # transition: layer -> (E, E) counts, target -> popularity tie-break
         self.last = [None] * num_layers  # previous: each layer's last decode step's experts
+        self._bound = (None, None)  # oracle: the bound trace and its upload
 
     def target(self, layer: int):
         return P.target_of(layer, self.depth, self.L)
@@ -45,7 +46,7 @@ class DevicePrefetch:
             t = position + offset
             if t >= len(p.sets):
                 return None
-            return device_indices(p.sets[t, target][: self.size], np.int32)
+            return self._trace(p.sets)[t, target]
         if isinstance(p, P.Popularity):
             if target not in self._const:
                 ctx = P.Context(0, layer, target, offset, np.zeros(0, np.int64), None, [None] * self.L)
@@ -63,6 +64,13 @@ class DevicePrefetch:
                 top = mx.where(mx.sigmoid(scores[top]) >= self.floor, top, -1)
             return top
         raise ValueError(f"predictor {p.name!r} has no device-side prediction")
+
+    def _trace(self, sets: np.ndarray) -> mx.array:
+        """The bound trace's (T, L, size) predictions on the device, uploaded once per binding: a
+        layer's prediction is then a slice of it, no host-made array inside a token."""
+        if self._bound[0] is not sets:  # held here, so never another array at the same address
+            self._bound = (sets, device_indices(sets[:, :, : self.size], np.int32))
+        return self._bound[1]
 
     def _transition(self, layer, target, inds):
         p = self.predictor
