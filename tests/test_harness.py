@@ -621,12 +621,13 @@ def test_a_model_that_does_not_fit_is_measured_at_its_slots_only(capsys):
 
 
 def _gate_c_row(slots, predictor, tok_s, depth=1, min_prob=0.0, **more):
-    return dict(
+    row = dict(
         device="gpu", chip="NVIDIA H200", host="host-x", model="olmoe-wide-trained", tier="page_cache",
         prompt_set="general", slots=slots, predictor=predictor, depth=depth, min_prob=min_prob,
         install="pinned", experts=64, tok_s=tok_s, tok_s_min=tok_s - 5, tok_s_max=tok_s + 5,
-        sync_ms_per_token=2.0, stall_ms_per_token=1.0, **more,
+        sync_ms_per_token=2.0, stall_ms_per_token=1.0, commit="aaaaaaaaaaaa",
     )  # fmt: skip
+    return {**row, **more}
 
 
 def test_the_answer_figure_takes_the_best_fitted_predictor_at_each_s(tmp_path, monkeypatch):
@@ -667,6 +668,31 @@ def test_the_answer_figure_takes_the_best_fitted_predictor_at_each_s(tmp_path, m
     monkeypatch.setattr(plotting, "_empty", lambda *a: cards.append(a))
     plotting.prediction_pays(figdir, trained=["olmoe-trained"])
     assert cards == [(figdir, "prediction_pays", "gate C results on a trained model")]
+
+
+def test_each_install_path_of_gate_c_gets_its_own_answer_panel_and_the_device_one_leads():
+    """Gate C run on the pinned path and later on the device install (one model, prompt set and
+    machine): prediction_pays draws a panel for each, each with its own run's resident rows, never
+    the best of both; the lines of gate C's other figures follow the device install (`auto` on a
+    CUDA GPU), the pinned path's demand loading in grey beside it."""
+    pinned = [_gate_c_row(8, "none", 80.0, depth=0), _gate_c_row(8, "oracle", 130.0),
+              _gate_c_row(8, "probe", 90.0), _gate_c_row(64, "mlx-lm", 400.0, depth=0, install=None)]  # fmt: skip
+    device = [_gate_c_row(8, "none", 240.0, depth=0, install="device", commit="bbbbbbbbbbbb"),
+              _gate_c_row(8, "oracle", 210.0, install="device", commit="bbbbbbbbbbbb"),
+              _gate_c_row(8, "probe", 195.0, install="device", commit="bbbbbbbbbbbb"),
+              _gate_c_row(64, "none", 370.0, depth=0, commit="bbbbbbbbbbbb"),
+              _gate_c_row(64, "mlx-lm", 360.0, depth=0, install=None, commit="bbbbbbbbbbbb")]  # fmt: skip
+    df = pd.DataFrame(pinned + device)
+    panels = dict(plotting.install_panels(df))
+    assert sorted(panels) == ["device", "pinned"]
+    assert sorted(panels["device"]["tok_s"]) == [195.0, 210.0, 240.0, 360.0, 370.0]
+    assert sorted(panels["pinned"]["tok_s"]) == [80.0, 90.0, 130.0, 400.0]
+    bars = plotting.answer_rows(panels["device"]).set_index("kind")
+    assert bars.loc["demand", "tok_s"] == 240.0 and bars.loc["oracle", "tok_s"] == 210.0
+    current, earlier = plotting._current_install(df[df["predictor"] != "mlx-lm"])
+    assert set(current["install"]) == {"device", "pinned"}  # the device run's S = E row rides along
+    assert set(current.loc[current["slots"] < 64, "install"]) == {"device"}
+    assert set(earlier["install"]) == {"pinned"} and 370.0 in set(current["tok_s"])
 
 
 def test_throughput_runs_of_different_install_paths_keep_their_own_rows():

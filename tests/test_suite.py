@@ -253,6 +253,37 @@ def test_the_readme_names_the_engines_default_stream_for_a_device_prefetch():
     assert docblocks.DEVICE_PREFETCH_ON_DECODE_STREAM is (not resolved_overlap(None, "device"))
 
 
+def test_the_prediction_pays_sentence_sets_each_install_against_its_own_demand_loading():
+    """Gate C's answer on the GPU: per install path (its own run's rows), the oracle's best depth
+    and the fastest fitted predictor at each S as multiples of demand loading, above or below
+    only outside both spreads; the docs' form gives the figures with their ranges."""
+
+    def row(install, slots, predictor, tok_s, spread=5.0, depth=1, commit="aaaaaaaaaaaa"):
+        return dict(device="gpu", chip="NVIDIA H200", model="olmoe-wide-trained", tier="page_cache",
+                    prompt_set="general", slots=slots, predictor=predictor, depth=depth, min_prob=0.0,
+                    install=install, experts=64, tok_s=tok_s, tok_s_min=tok_s - spread,
+                    tok_s_max=tok_s + spread, commit=commit)  # fmt: skip
+
+    rows = [row("pinned", 8, "none", 80.0, depth=0), row("pinned", 8, "oracle", 130.0, depth=2),
+            row("pinned", 8, "probe", 84.0), row("device", 8, "none", 240.0, depth=0, commit="b"),
+            row("device", 8, "oracle", 210.0, commit="b"), row("device", 8, "probe", 238.0, spread=12, commit="b"),
+            row("device", 8, "transition", 200.0, commit="b"), row("pinned", 64, "none", 370.0, depth=0, commit="b"),
+            row("cpu-only", 8, "none", 1.0, depth=0) | {"device": "cpu"}]  # fmt: skip
+    text = docblocks.prediction_pays(pd.DataFrame(rows), full=False)
+    assert (
+        "`device` install, general prompts (NVIDIA H200): S = 8: "
+        "oracle 0.88× below, best fitted (probe d1) 0.99× within"
+    ) in text
+    assert (
+        "`pinned` install, general prompts (NVIDIA H200): S = 8: "
+        "oracle 1.62× above, best fitted (probe d1) 1.05× within"
+    ) in text
+    assert "cpu-only" not in text and "S = 64" not in text  # another device; every expert resident: no question
+    full = docblocks.prediction_pays(pd.DataFrame(rows), full=True)
+    assert "S = 8 (demand 240.0 [235.0, 245.0] tok/s): oracle 210.0 [205.0, 215.0], 0.88× below" in full
+    assert "No gate C run of `olmoe-wide-trained` on a GPU" in docblocks.prediction_pays(pd.DataFrame(rows[-1:]), False)
+
+
 def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():
     base = ("cpu", "EPYC", "h", "serve", "olmoe-tiny-f32", None, 16, None, 16)
     figs = {"clients": 8, "latency_p50_s[engine S=16]": 1.5, "latency_p99_s[engine S=16]": 2.25,

@@ -175,6 +175,61 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     return text
 
 
+PAYS_MODEL = "olmoe-wide-trained"  # learnt routing at OLMoE's expert sizes (docs/gpu.md)
+
+
+def _against(row, demand) -> str:
+    """Where a configuration's tok/s lies against demand loading's, by their [min, max] ranges."""
+    if row["tok_s_min"] > demand["tok_s_max"]:
+        return "above"
+    if row["tok_s_max"] < demand["tok_s_min"]:
+        return "below"
+    return "within"
+
+
+def prediction_pays(online: pd.DataFrame, full: bool) -> str:
+    """Gate C's answer on the GPU for `PAYS_MODEL`, from the bars of figures/prediction_pays.png (one
+    panel per install path and prompt set: demand loading, the best fitted predictor and the best
+    oracle depth at each S < E), each against demand loading in the same run, by their spreads.
+    `full` gives every figure with its range (docs/gpu.md); otherwise ratios only (the README)."""
+    from .plotting import answer_rows, install_panels  # matplotlib's import only where it is needed
+
+    df = online[(online["device"] == "gpu") & (online["model"] == PAYS_MODEL) & (online["tier"] == "page_cache")]
+    out = []
+    for (chip, pset), group in sorted(df.groupby(["chip", "prompt_set"]), key=lambda kv: kv[0]):
+        for install, g in install_panels(group):
+            parts = []
+            for s, at in answer_rows(g).groupby("slots"):
+                kinds = {r["kind"]: r for r in at.to_dict("records")}
+                demand = kinds.pop("demand", None)
+                if demand is None or not kinds:
+                    continue
+                said = []
+                for kind in ("oracle", "best fitted"):
+                    if kind not in kinds:
+                        continue
+                    r = kinds[kind]
+                    what = kind
+                    if kind == "best fitted":
+                        floor = f" q{r['min_prob']:g}" if r["min_prob"] else ""
+                        what += f" ({r['predictor']} d{r['depth']:g}{floor})"
+                    fig = f" {r['tok_s']:.1f} [{r['tok_s_min']:.1f}, {r['tok_s_max']:.1f}]," if full else ""
+                    said.append(f"{what}{fig} {r['tok_s'] / demand['tok_s']:.2f}× {_against(r, demand)}")
+                head = f"S = {s:g}" + (f" (demand {demand['tok_s']:.1f} [{demand['tok_s_min']:.1f}, "
+                                       f"{demand['tok_s_max']:.1f}] tok/s)" if full else "")  # fmt: skip
+                parts.append(f"{head}: " + ", ".join(said))
+            if parts:
+                out.append(f"`{install}` install, {pset} prompts ({chip}): " + "; ".join(parts))
+    if not out:
+        return f"No gate C run of `{PAYS_MODEL}` on a GPU is recorded yet (`scripts/device_gpu.sh OUT wide`)."
+    lead = (f"Gate C of `{PAYS_MODEL}` on a GPU: the oracle at its best depth and the fitted predictor "
+            "fastest at each S, as multiples of demand loading's tok/s in the same run (medians of "
+            "interleaved repetitions"
+            + (", [min, max]" if full else "")
+            + "; above or below: outside both spreads; within: inside them). ")  # fmt: skip
+    return lead + ". ".join(out) + "."
+
+
 def serve_bench(bench: pd.DataFrame) -> str:
     """docs/serve.md's sentence on the latest `bench serve` of each machine kind."""
     b = bench[bench["bench"] == "serve"]
@@ -249,6 +304,9 @@ def build(tables: dict, root=".", raw=None, by_file=None) -> list:
     if "bench" in tables:
         blocks["device-install"] = device_install(tables["bench"])
         blocks["serve-bench"] = serve_bench(tables["bench"])
+    if "prefetch_online" in tables:
+        blocks["prediction-pays"] = prediction_pays(tables["prefetch_online"], full=False)
+        blocks["prediction-pays-full"] = prediction_pays(tables["prefetch_online"], full=True)
     if raw is not None:
         blocks["run-agreement"] = run_agreement(raw, by_file)
     pages = [Path(root) / "README.md", *sorted((Path(root) / "docs").glob("*.md"))]

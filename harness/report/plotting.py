@@ -110,13 +110,35 @@ def design(figdir):
     _save(fig, figdir, "design")
 
 
+INSTALL_PREFERENCE = ("device", "pinned", "inplace")  # what the engine's `auto` picks, where recorded
+
+
 def _current_install(engine):
     """(rows of the install path the engine uses by default on that device, the other rows): a GPU
-    panel shows the pinned path, with the copy path it replaced as demand loading in grey."""
-    if "install" not in engine.columns or engine["install"].nunique() < 2:
+    panel shows the device install where recorded (else the pinned one), with the paths it replaced
+    as demand loading in grey. Rows at S = E (every expert resident, the install immaterial) go
+    with the current install's runs."""
+    partial = engine[engine["slots"] < engine["experts"]] if "install" in engine.columns else engine.iloc[0:0]
+    if partial["install"].nunique() < 2:
         return engine, engine.iloc[0:0]
-    current = "pinned" if (engine["install"] == "pinned").any() else "inplace"
-    return engine[engine["install"] == current], engine[engine["install"] != current]
+    recorded = list(partial["install"].value_counts().index)
+    current = next((m for m in INSTALL_PREFERENCE if m in recorded), recorded[0])
+    full = engine["slots"] >= engine["experts"]
+    runs = set(partial.loc[partial["install"] == current, "commit"])
+    keep = (~full & (engine["install"] == current)) | (full & engine["commit"].isin(runs))
+    return engine[keep], engine[~keep]
+
+
+def install_panels(g):
+    """One (install, rows) per install path a gate C group has partial (S < E) rows for, each with
+    the resident rows (S = E, mlx-lm's) of the same commits: a panel never mixes two paths."""
+    partial = g[g["slots"] < g["experts"]]
+    out = []
+    for install in sorted(partial["install"].dropna().unique()):
+        mine = partial[partial["install"] == install]
+        full = g[(g["slots"] >= g["experts"]) & g["commit"].isin(set(mine["commit"]))]
+        out.append((install, pd.concat([mine, full])))
+    return out
 
 
 def _online(figdir, name, column, ylabel, title):
@@ -467,12 +489,17 @@ def prediction_pays(figdir, trained):
     if df.empty:
         return _empty(figdir, "prediction_pays", "gate C results on a trained model")
     df = df.assign(machine=_machine(df))
-    panels = sorted(df.groupby(["machine", "model", "prompt_set"]).groups)
+    panels = [
+        (*key, install, g)
+        for key, group in sorted(df.groupby(["machine", "model", "prompt_set"]), key=lambda kv: kv[0])
+        for install, g in install_panels(group)
+    ]
+    if not panels:
+        return _empty(figdir, "prediction_pays", "gate C results on a trained model")
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 2.9 * len(panels)), squeeze=False)
     colors = dict(ANSWER_KINDS)
     offset = {kind: j - 1 for j, (kind, _) in enumerate(ANSWER_KINDS)}
-    for (ax, bx), key in zip(axes, panels):
-        g = df[(df["machine"] == key[0]) & (df["model"] == key[1]) & (df["prompt_set"] == key[2])]
+    for (ax, bx), (*key, install, g) in zip(axes, panels):
         bars = answer_rows(g)
         slots = sorted(bars["slots"].unique()) if not bars.empty else []
         for r in bars.to_dict("records"):
@@ -498,7 +525,7 @@ def prediction_pays(figdir, trained):
         ax.margins(y=0.3)  # room for the best fitted predictor's name
         ax.set_ylabel("decode tok/s")
         bx.set_ylabel("ms per token")
-        ax.set_title(f"{key[1]}, {key[2]} prompts, {key[0]}", fontsize=8)
+        ax.set_title(f"{key[1]}, {key[2]} prompts, {key[0]}, {install} install", fontsize=8)
         bx.set_title("where a token's time goes (d: demand, b: best fitted, o: oracle)", fontsize=8)
     _shared_legend(
         fig,
