@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prepares what the development `device` tool's GPU machine needs for scripts/device_gpu.sh, as
+# three carries (its image has Python 3.12 and CUDA 13 but no registry; docs/gpu.md, "Next on a GPU"):
+#   .gpu1  the first part of MLX's CUDA wheel          call 1: cp .gpu1/part.aa /root/part.aa
+#   .gpu3  Snakemake and the engine's other imports    call 2: mkdir -p /root/gpu3 && cp .gpu3/*.whl /root/gpu3/
+#   .gpu2  the wheel's second part, mlx, mlx-lm        call 3: bash .gpu2/install.sh && python3 -m pip install -q \
+#            --no-index --no-deps --no-compile --target /tmp/site2 /root/gpu3/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2 && ...
+# A call carries at most 64 MiB together with the working tree, so everything but MLX's own wheels
+# goes in .gpu3; this script says what each call will carry and fails when one is over.
+#
+# Usage, from the repository root: scripts/gpu_carry.sh   (about 3 minutes; needs the registry)
+#   WHEELS: the wheel script (default ../shared/tools/mlx-cuda-wheels.sh, the development machine's)
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+wheels=${WHEELS:-../shared/tools/mlx-cuda-wheels.sh}
+[[ -f $wheels ]] || { echo "no wheel script at $wheels (set WHEELS)" >&2; exit 2; }
+# The server tests' client (openai and what it imports) and the property tests' hypothesis.
+EXTRA="openai httpx httpx2 httpcore httpcore2 h11 anyio sniffio idna certifi distro jiter pydantic pydantic-core
+  annotated-types typing-extensions typing-inspection truststore hypothesis sortedcontainers ${EXTRA:-}" bash "$wheels"
+scripts/snakemake_wheels.sh .gpu3
+for w in .gpu2/*.whl; do
+  case $(basename "$w") in
+    mlx-* | mlx_lm-*) ;;  # .gpu2/install.sh installs these beside the CUDA part
+    *) mv "$w" .gpu3/ ;;
+  esac
+done
+mib() { echo $((($1 + 1048575) / 1048576)); }
+# What a call takes along besides its carry: tracked files and untracked ones git does not ignore.
+tree=$( (git ls-files -z; git ls-files -z -o --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+over=0
+for d in .gpu1 .gpu3 .gpu2; do
+  size=$(($(du -sb "$d" | cut -f1) + tree))
+  echo "call with $d: $(mib "$size") MiB of 64 (the tree $(mib "$tree") MiB)"
+  ((size <= 64 * 1048576)) || over=1
+done
+((over == 0)) || { echo "a call is over 64 MiB: move wheels from .gpu2 to .gpu3, or carry less" >&2; exit 1; }
+echo "ready: the three calls above, in that order, within 30 s of each other (the machine goes cold)"
