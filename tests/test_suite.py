@@ -233,11 +233,17 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
         "demand loading 0.80× in the same run (the default prefetch slower than a stream of its own and demand "
         "loading)"
     ) in text
+    # the target missed: where the time goes, each configuration's token against demand loading's
+    assert "; a token 10.00 ms against demand loading's 6.25 and resident's 5.00" in text
+    assert "neither waiting" not in text  # a run without stall figures says no more than that
+    stalls = {"stall_ms_per_token[oracle/d2/serial/device]": 0.0, "stall_ms_per_token[none/d0/device]": 0.0}
+    text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **stalls}.items()]))
+    assert "6.25 and resident's 5.00, neither waiting for a read: the rest is the prefetch's own launches" in text
     # a default faster than both says nothing of the kind
     quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))
     assert "0.85× at its best depth (d = 2), on the decode stream (the default), target 0.8 met, on a stream" in text
-    assert "slower than" not in text
+    assert "slower than" not in text and "a token" not in text  # the target met: nothing to explain
     # a run with only the other stream's figure names that stream, not the default
     own = {k: v for k, v in figs.items() if "serial" not in k}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in own.items()])]))

@@ -172,6 +172,12 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     if slower:
         who = "the default prefetch" if on == default else "this prefetch"
         text += f" ({who} slower than " + " and ".join(slower) + ")"
+    if demand and ratio < ORACLE_TARGET:  # a missed target says where the time goes
+        text += f"; a token {1e3 / tok:.2f} ms against demand loading's {1e3 / demand:.2f}"
+        text += f" and resident's {1e3 / res:.2f}"
+        stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in (f"oracle/d{d}" + "/serial" * on, "none/d0")]
+        if stalls == [0, 0]:  # neither waits for a read: the difference is the prefetch's own work
+            text += ", neither waiting for a read: the rest is the prefetch's own launches and predictions"
     return text
 
 
