@@ -152,30 +152,30 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
 
     # the default's figure, or where a run lacks it the other stream's, named as such
     default = DEVICE_PREFETCH_ON_DECODE_STREAM
-    on = default if best(default) else not default
-    main, other = best(on), best(not on)
+    serial = default if best(default) else not default
+    main, other = best(serial), best(not serial)
     if not res or not main:
         return ""
     (d, tok), demand = main, fig.get("tok_s[none/d0/device]")
     ratio = round(tok / res, 2)
     met = "met" if ratio >= ORACLE_TARGET else f"missed by {ORACLE_TARGET - ratio:.2f}"
-    name, flag = STREAMS[on]
-    how = "the default" if on == default else f"`{flag}`"
+    name, flag = STREAMS[serial]
+    how = "the default" if serial == default else f"`{flag}`"
     text = f"the oracle's prefetch at S = 16 {ratio:.2f}× at its best depth (d = {d}), on {name} ({how}), "
     text += f"target {ORACLE_TARGET} {met}"
     if other:
-        text += f", on {STREAMS[not on][0]} (`{STREAMS[not on][1]}`) {other[1] / res:.2f}× (d = {other[0]})"
+        text += f", on {STREAMS[not serial][0]} (`{STREAMS[not serial][1]}`) {other[1] / res:.2f}× (d = {other[0]})"
     if demand:
         text += f", demand loading {demand / res:.2f}× in the same run"
-    rivals = {STREAMS[not on][0]: other[1] if other else None, "demand loading": demand}
+    rivals = {STREAMS[not serial][0]: other[1] if other else None, "demand loading": demand}
     slower = [n for n, v in rivals.items() if v and v > tok]
     if slower:
-        who = "the default prefetch" if on == default else "this prefetch"
+        who = "the default prefetch" if serial == default else "this prefetch"
         text += f" ({who} slower than " + " and ".join(slower) + ")"
     if demand and ratio < ORACLE_TARGET:  # a missed target says where the time goes
         text += f"; a token {1e3 / tok:.2f} ms against demand loading's {1e3 / demand:.2f}"
         text += f" and resident's {1e3 / res:.2f}"
-        stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in (f"oracle/d{d}" + "/serial" * on, "none/d0")]
+        stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in (f"oracle/d{d}" + "/serial" * serial, "none/d0")]
         if stalls == [0, 0]:  # neither waits for a read: the difference is the prefetch's own work
             text += ", neither waiting for a read: the rest is the prefetch's own launches and predictions"
     return text

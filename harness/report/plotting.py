@@ -117,15 +117,12 @@ def _current_install(engine):
     """(rows of the install path the engine uses by default on that device, the other rows): a GPU
     panel shows the device install where recorded (else the pinned one), with the paths it replaced
     as demand loading in grey. Rows at S = E (every expert resident, the install immaterial) go
-    with the current install's runs."""
-    partial = engine[engine["slots"] < engine["experts"]] if "install" in engine.columns else engine.iloc[0:0]
-    if partial["install"].nunique() < 2:
+    with the current install's runs (install_panels)."""
+    panels = dict(install_panels(engine)) if "install" in engine.columns else {}
+    if len(panels) < 2:
         return engine, engine.iloc[0:0]
-    recorded = list(partial["install"].value_counts().index)
-    current = next((m for m in INSTALL_PREFERENCE if m in recorded), recorded[0])
-    full = engine["slots"] >= engine["experts"]
-    runs = set(partial.loc[partial["install"] == current, "commit"])
-    keep = (~full & (engine["install"] == current)) | (full & engine["commit"].isin(runs))
+    current = next((m for m in INSTALL_PREFERENCE if m in panels), next(iter(panels)))
+    keep = engine.index.isin(panels[current].index)
     return engine[keep], engine[~keep]
 
 
