@@ -221,19 +221,31 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
         calls.append(("eval", flat(args)))
         return real_async(*args)
 
-    name = "prefetch_step_kernel" if device.kind() == "gpu" else "prefetch_step_ops"
-    real_step = getattr(devicemap, name)
+    decode_stream = mx.default_stream(mx.default_device())
+    if device.kind() == "gpu":  # every prefetch is a job of a step kernel, alone or riding along
+        real_kernel = devicemap.step_kernel
 
-    def spy_step(state, inds, slots, protect_recent=False, stream=None):
-        on = stream if stream is not None else mx.default_stream(mx.default_device())
-        calls.append(("step", on, [inds, *state.arrays()]))
-        kw = {} if stream is None else {"stream": stream}  # the operations take no stream argument
-        new, fill = real_step(state, inds, slots, protect_recent, **kw)
-        calls.append(("made", new.arrays()))
-        return new, fill
+        def spy_kernel(jobs, tier=None, tensors=(), after=(), stream=None):
+            ahead = [j for j in jobs if not j.demand]
+            for j in ahead:
+                calls.append(("step", stream if stream is not None else decode_stream, [j.inds, *j.state.arrays()]))
+            out = real_kernel(jobs, tier, tensors, after, stream)
+            calls.extend(("made", new.arrays()) for j, (new, _) in zip(jobs, out) if not j.demand)
+            return out
 
+        monkeypatch.setattr(devicemap, "step_kernel", spy_kernel)
+    else:
+        real_step = devicemap.prefetch_step_ops
+
+        def spy_step(state, inds, slots, protect_recent=False):
+            on = mx.default_stream(mx.default_device())  # the stream the operations are made on
+            calls.append(("step", on, [inds, *state.arrays()]))
+            new, fill = real_step(state, inds, slots, protect_recent)
+            calls.append(("made", new.arrays()))
+            return new, fill
+
+        monkeypatch.setattr(devicemap, "prefetch_step_ops", spy_step)
     monkeypatch.setattr(mx, "async_eval", spy_async)
-    monkeypatch.setattr(devicemap, name, spy_step)
     ref = reference("qwen3moe-tiny")
     _, logits = run_with(
         "qwen3moe-tiny", ref, "oracle", 1, fit_traces("qwen3moe-tiny"), install="device", overlap=overlap
@@ -241,7 +253,6 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
     assert max_abs_diff(ref["logits"], logits) == 0.0
     steps = [i for i, c in enumerate(calls) if c[0] == "step"]
     assert len(steps) > 10
-    decode_stream = mx.default_stream(mx.default_device())
     for i in steps:
         _, on, read = calls[i]
         if overlap is not True:
@@ -394,7 +405,7 @@ def test_the_map_kernel_gives_the_operations_maps(E, S):
 
 
 @gpu_only
-def test_the_fill_kernel_writes_the_slots_in_place_and_nothing_else():
+def test_the_step_kernel_writes_the_slots_in_place_and_nothing_else():
     """Through the tables' own pointers: the named slots take the host tier's records and the others
     keep their bytes, also after the tables were read on the host (which moves a CUDA array's
     memory: a fill writing through an address taken before would miss the table)."""
@@ -404,8 +415,9 @@ def test_the_fill_kernel_writes_the_slots_in_place_and_nothing_else():
         for wanted in ([3, 9, 40, 63], [1, 9, 2, 7, 5]):
             resident = set(np.array(state.expert_in).tolist())
             before = [np.array(b) for b in cache.tables[0]]  # a host read of every table
-            state, fill = devicemap.map_step_kernel(state, mx.array(wanted, mx.int32), 8)
-            mx.eval(devicemap.fill_kernel(cache.tier, cache.layer_ids[0], cache.tables[0], cache.tensors, fill))
+            job = devicemap.Job(state, mx.array(wanted, mx.int32), 8, layer=cache.layer_ids[0], tables=cache.tables[0])
+            ((state, fill),) = devicemap.step_kernel([job], cache.tier, cache.tensors)
+            mx.eval(fill.remapped)
             n = int(fill.count[0])
             filled = dict(zip(np.array(fill.experts)[:n].tolist(), np.array(fill.slots)[:n].tolist()))
             assert set(filled) == set(wanted) - resident

@@ -1,120 +1,193 @@
-"""The engine's CUDA kernels, checked where there is no GPU: each is called through a stand-in for
-`mx.fast.cuda_kernel` that writes the full source MLX would compile (its generated signature: the
-inputs as const pointers of their dtypes, `NAME_shape` where the body uses it, the outputs, the
-template constants) and has the host's C++ compiler check it, with CUDA's few names stubbed. What
-a kernel computes is checked on a GPU (tests/test_devicemap.py, tests/test_staging.py); here, that
-every kernel the engine can launch is well-formed C++ with the arguments the engine gives it."""
-
-import shutil
-import subprocess
+"""The engine's CUDA kernels, checked where there is no GPU (tests/cuda_emulator.py): every kernel
+the device install can launch is well-formed C++ with the arguments the engine gives it, and the
+layer step kernel, run on the CPU as threads with CUDA's barriers and warp shuffles, computes what
+the MLX operations compute: the same maps, fill lists and remapped indices, the same bytes in the
+slot tables, and through the engine the logits of mlx-lm. On a GPU the same comparisons run on
+the device (tests/test_devicemap.py)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import cpu_only, run_with
+from cuda_emulator import CXX, Emulator, address, compiles_alone
 
-from engine.runtime import devicemap, staging
-from engine.runtime.devicemap import Fill, MapState
+from engine import device, max_abs_diff
+from engine.runtime import devicemap, hosttier, staging
+from engine.runtime.devicemap import Job, MapState, fill_ops, map_step_ops, prefetch_step_ops
 from engine.runtime.store import TensorSpec
 
-CXX = shutil.which("g++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler (g++ or clang++)")
 
-CUDA_TYPES = {mx.int32: "int32_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t", mx.uint8: "uint8_t",
-              mx.int64: "int64_t", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}  # fmt: skip
-
-PRELUDE = """
-#include <array>
-#include <cstddef>
-#include <cstdint>
-#define __global__
-#define __grid_constant__
-#define __shared__ static
-inline void __syncwarp(unsigned = 0xffffffffu) {}
-template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
-struct dim3 { unsigned x, y, z; };
-static dim3 blockIdx, threadIdx, blockDim, gridDim;
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-struct __half { unsigned short v; };
-struct __nv_bfloat16 { unsigned short v; };
-using Shape = std::array<int32_t, 10>;
-"""
+TENSORS = [
+    TensorSpec("gate_proj.weight", (8, 4), "uint32", 0, 128),
+    TensorSpec("gate_proj.scales", (8, 2), "float16", 128, 32),
+    TensorSpec("gate_proj.biases", (8, 2), "bfloat16", 160, 32),
+    TensorSpec("odd", (3,), "float32", 192, 12),  # a tensor whose widest load is 4 bytes
+]
+RECORD = 208
 
 
-def full_source(name, input_names, inputs, output_names, output_dtypes, template, body) -> str:
-    """What MLX 0.32's `build_kernel` (mlx/backend/cuda/custom_kernel.cpp) wraps a body in."""
-    params = []
-    for n, a in zip(input_names, inputs):
-        params.append(f"const {CUDA_TYPES[a.dtype]}* {n}")
-        if a.ndim > 0 and f"{n}_shape" in body:
-            params.append(f"const __grid_constant__ Shape {n}_shape")
-    params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
-    consts = "".join(
-        f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool) else f"  constexpr int {k} = {v};\n"
-        for k, v in template or []
-    )
-    return f"{PRELUDE}\n__global__ void {name}(\n    " + ",\n    ".join(params) + f") {{\n{consts}\n{body}\n}}\n"
+@pytest.fixture
+def emulated(monkeypatch):
+    """mx.fast.cuda_kernel as the emulator (kernels made through it must not outlive the test)."""
+
+    def use(**kw):
+        emu = Emulator(**kw)
+        monkeypatch.setattr(mx.fast, "cuda_kernel", emu, raising=False)
+        staging.cuda_kernel.cache_clear()
+        return emu
+
+    yield use
+    staging.cuda_kernel.cache_clear()
 
 
-class FakeKernels:
-    """Stands in for mx.fast.cuda_kernel: records every launch's full source, returns zeros."""
+class Tier:
+    """A host tier of random records as the kernels see one: `base`, the address of its rows."""
 
-    def __init__(self):
-        self.sources = {}
-
-    def __call__(self, name, input_names, output_names, source, **kw):
-        def launch(inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, stream=None, **kw2):
-            assert len(inputs) == len(input_names) and len(output_shapes) == len(output_names) == len(output_dtypes)
-            assert all(isinstance(a, mx.array) for a in inputs)
-            assert all(g >= 1 for g in grid) and all(t >= 1 for t in threadgroup)
-            text = full_source(name, input_names, inputs, output_names, output_dtypes, template, source)
-            self.sources[(name, tuple(str(d) for d in output_dtypes), str(template))] = text
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-
-        return launch
+    def __init__(self, layers, experts, seed=0):
+        rng = np.random.default_rng(seed)
+        self.num_experts, self.record_bytes = experts, RECORD
+        self.array = mx.array(rng.integers(0, 256, (layers * experts, RECORD), dtype=np.uint8))
+        mx.eval(self.array)
+        self.base = mx.array([address(self.array)], mx.uint64)
 
 
-def compiles(text: str, tmp_path) -> subprocess.CompletedProcess:
-    f = tmp_path / "k.cpp"
-    f.write_text(text)
-    return subprocess.run([CXX, "-fsyntax-only", "-std=c++17", "-Wno-unused", str(f)], capture_output=True, text=True)
+def tables(layers, S):
+    out = [[mx.zeros((S, *t.shape), getattr(mx, t.dtype)) for t in TENSORS] for _ in range(layers)]
+    mx.eval(out)
+    return out
 
 
-def test_every_kernel_the_device_install_launches_is_well_formed(tmp_path, monkeypatch):
-    fake = FakeKernels()
-    monkeypatch.setattr(mx.fast, "cuda_kernel", fake, raising=False)
-    staging.cuda_kernel.cache_clear()  # kernels made through the stand-in must not outlive this test
+def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
+    emu = emulated(run=False)
     E, S = 64, 16
     state = MapState.empty(E, S)
     devicemap.map_step_kernel(state, mx.array([3, 9, 40, 63, 1, 2, 5, 7], mx.int32), S)
+    devicemap.map_step_kernel(state, mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32), S)  # the router's own
     for protect in (False, True):
         devicemap.prefetch_step_kernel(state, mx.array([3, -1, 40], mx.int32), S, protect)
-    tensors = [
-        TensorSpec("gate_proj.weight", (128, 32), "uint32", 0, 16384),
-        TensorSpec("gate_proj.scales", (128, 4), "float16", 16384, 1024),
-        TensorSpec("gate_proj.biases", (128, 4), "bfloat16", 17408, 1024),
-        TensorSpec("odd", (3,), "float32", 18432, 12),
-    ]
-    tier = type("Tier", (), dict(base=mx.array([0], mx.uint64), record_bytes=20480, num_experts=E))()
-    fill = Fill(mx.zeros((8,), mx.uint32), mx.zeros((8,), mx.int32), mx.zeros((8,), mx.int32), mx.zeros((1,), mx.int32))
+    tier, tabs, layer = Tier(2, E), tables(2, S), mx.array([1], mx.uint32)
+    inds = mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32)
     for after in ((), (mx.zeros((1, 1, 8, 128)),), (mx.zeros((2,)), mx.zeros((3,)))):
-        tables = [mx.zeros((S, *t.shape), getattr(mx, t.dtype)) for t in tensors]
-        devicemap.fill_kernel(tier, mx.array([2], mx.uint32), tables, tensors, fill, after)
-    staging.copy_kernel(tensors, 20480)(
+        jobs = [
+            Job(state, inds, S, layer=layer, tables=tabs[0]),
+            Job(state, inds[0, 0, :4], 12, False, False, layer, tabs[1]),
+        ]
+        devicemap.step_kernel(jobs, tier, TENSORS, after)
+    devicemap.step_kernel([Job(state, inds[0, 0], S, False, True, layer, tabs[1])], tier, TENSORS)
+    staging.copy_kernel(TENSORS, RECORD)(
         inputs=[mx.array([0], mx.uint64), mx.array(np.arange(8, dtype=np.uint8))],
-        output_shapes=[(8, *t.shape) for t in tensors] + [(1,)],
-        output_dtypes=[getattr(mx, t.dtype) for t in tensors] + [mx.uint32],
+        output_shapes=[(8, *t.shape) for t in TENSORS] + [(1,)],
+        output_dtypes=[getattr(mx, t.dtype) for t in TENSORS] + [mx.uint32],
         grid=(1024, 1, 1),
         threadgroup=(256, 1, 1),
     )
-    staging.cuda_kernel.cache_clear()
-    assert len(fake.sources) >= 7  # map, prefetch (2), fill (3 orderings), stage
-    for key, text in fake.sources.items():
-        r = compiles(text, tmp_path)
-        assert r.returncode == 0, f"{key[0]}:\n{r.stderr[:3000]}\n{text}"
+    assert len(emu.sources) >= 8  # map (2 index types), prefetch (2), step (3 orderings, 1 alone), stage
 
 
-def test_a_broken_kernel_is_caught(tmp_path):
+def test_a_broken_kernel_is_caught():
     """The check can fail: a body naming an input the kernel does not have."""
-    text = full_source("k", ["a"], [mx.zeros((2,), mx.int32)], ["o"], [mx.int32], None, "o[0] = b[0];")
-    assert compiles(text, tmp_path).returncode != 0
+    assert not compiles_alone("k", ["a"], [mx.zeros((2,), mx.int32)], ["o"], [mx.int32], "o[0] = b[0];")
+
+
+@pytest.mark.parametrize("E,S", [(16, 6), (64, 16), (128, 48)])  # 48: lanes of the warp own two slots
+def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
+    """A layer's demand step with a prefetch into another layer riding along, and prefetches alone
+    (sparing the latest step's slots or not), run as the kernel on emulated threads in three
+    blocks (each runs the map steps; block 0 writes them out; all copy): maps, fill lists,
+    remapped indices and every table byte are the operations' (map_step_ops, fill_ops)."""
+    emu = emulated()
+    L, rng = 3, np.random.default_rng(E + S)
+    tier = Tier(L, E, seed=E)
+    tabs_a, tabs_b = tables(L, S), tables(L, S)
+    ops, kern = [MapState.empty(E, S) for _ in range(L)], [MapState.empty(E, S) for _ in range(L)]
+    for i in range(45):
+        layer, target = i % L, (i + 1) % L
+        inds = rng.choice(E, size=min(8, S), replace=False).astype(np.int32)
+        if i % 5 == 4:  # a prefill-like step: repeats, ignored pairs, more entries than a warp's lanes
+            inds = rng.choice(rng.choice(E, size=min(S, 9), replace=False), size=40).astype(np.int32)
+            inds[rng.random(40) < 0.3] = -1
+        pred = rng.choice(E, size=6, replace=False).astype(np.int32)
+        pred[rng.random(6) < 0.2] = -1
+        if i % 7 == 3:  # a prefetch alone, onto the layer just computed: sparing its slots
+            ops[layer], fa = prefetch_step_ops(ops[layer], mx.array(pred), S, protect_recent=True)
+            fill_ops(tier, layer, tabs_a[layer], TENSORS, fa)
+            job = Job(kern[layer], mx.array(pred), S, False, True, mx.array([layer], mx.uint32), tabs_b[layer])
+            ((kern[layer], fb),) = devicemap.step_kernel([job], tier, TENSORS)
+            pairs = [(ops[layer], kern[layer], fa, fb)]
+        else:
+            ops[target], pa = prefetch_step_ops(ops[target], mx.array(pred), S)
+            fill_ops(tier, target, tabs_a[target], TENSORS, pa)
+            ops[layer], fa = map_step_ops(ops[layer], mx.array(inds), S)
+            fill_ops(tier, layer, tabs_a[layer], TENSORS, fa)
+            decode = i % 5 != 4
+            given = (
+                mx.array(inds.astype(np.uint32)[None, None]) if decode else mx.array(inds)
+            )  # as the router gives them
+            jobs = [
+                Job(kern[layer], given, S, layer=mx.array([layer], mx.uint32), tables=tabs_b[layer]),
+                Job(kern[target], mx.array(pred), S, False, False, mx.array([target], mx.uint32), tabs_b[target]),
+            ]
+            (kern[layer], fb), (kern[target], pb) = devicemap.step_kernel(jobs, tier, TENSORS)
+            assert fb.remapped.shape == given.shape
+            assert np.array_equal(np.array(fb.remapped).reshape(-1), np.array(fa.remapped))
+            pairs = [(ops[layer], kern[layer], fa, fb), (ops[target], kern[target], pa, pb)]
+        for a, b, fa, fb in pairs:
+            for x, y in zip(
+                a.arrays() + [fa.experts, fa.slots, fa.count], b.arrays() + [fb.experts, fb.slots, fb.count]
+            ):
+                assert np.array_equal(np.array(x), np.array(y)), i
+        for ta, tb in zip(tabs_a, tabs_b):
+            for x, y in zip(ta, tb):
+                assert memoryview(x).tobytes() == memoryview(y).tobytes(), i
+    assert emu.launches == 45
+    counters = np.array(mx.stack([s.counters for s in kern]))
+    assert counters[:, 1].sum() > 0 and counters[:, 2].sum() > 0  # misses filled and prefetches issued
+
+
+@cpu_only
+@pytest.mark.parametrize("name,depth", [("probe", 2), ("oracle", 3)])
+def test_the_engine_on_the_emulated_kernels_gives_mlx_lms_logits(
+    emulated, monkeypatch, reference, fit_traces, name, depth
+):
+    """The device install's kernel path end to end on the CPU: every layer one step kernel (its
+    demand step, the prefetch for layer l+d riding along on the decode stream; at d = 3 onto the
+    very layer, a prefetch alone after its compute), the prompt's prefill in expert batches, the
+    slot tables written through their pointers; the logits are mlx-lm's bit for bit and the
+    prefetches were useful."""
+    emu = emulated(blocks=2, threads=64)  # smaller than the launch's grid: the copies stride over it
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
+    acquire = hosttier.acquire
+
+    def cpu_tier(store, cuda):
+        tier = acquire(store, cuda=False)
+        tier.base = mx.array([address(tier.array)], mx.uint64)
+        return tier
+
+    monkeypatch.setattr(hosttier, "acquire", cpu_tier)
+    init = devicemap.DeviceCache.__init__
+    monkeypatch.setattr(
+        devicemap.DeviceCache, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "mode": "kernel"})
+    )
+    ref = reference("qwen3moe-tiny")
+    records, logits = run_with(
+        "qwen3moe-tiny", ref, name, depth, fit_traces("qwen3moe-tiny"), install="device", overlap=False
+    )
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+    assert emu.launches > 0 and sum(r["useful"] for r in records[1:]) > 0
+    assert sum(r["misses"] for r in records) > 0
+
+
+def test_the_emulator_runs_a_warps_lanes_together(emulated):
+    """32 lanes exchanging their values through shuffles each end with the sum of all 32: the
+    emulator runs threads meeting at barriers, not the body once."""
+    emulated()
+    src = (
+        "int v = threadIdx.x;"
+        "for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);"
+        "out[threadIdx.x] = v;"
+    )
+    k = mx.fast.cuda_kernel(name="sum", input_names=["x"], output_names=["out"], source=src)
+    (out,) = k(inputs=[mx.zeros((1,), mx.int32)], output_shapes=[(32,)], output_dtypes=[mx.int32],
+               grid=(32, 1, 1), threadgroup=(32, 1, 1))  # fmt: skip
+    assert np.array(out).tolist() == [sum(range(32))] * 32

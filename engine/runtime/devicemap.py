@@ -19,15 +19,17 @@ All of it is lazy MLX work in the token's graph, queued like mlx-lm's own `gener
 a resident model's; counters stay on the device until asked for.
 
 Two implementations of the map step and the fill, chosen per `DeviceCache(mode=...)`:
-- `kernel` (a CUDA GPU): the map step is one one-warp `mx.fast.cuda_kernel`; the fill is a
-  grid-stride kernel that reads the records across PCIe and writes them straight into the slot
-  tables' memory: MLX cannot name an existing array as a kernel's output, so the tables are the
-  kernel's inputs and it writes through their pointers, handed to it at every launch (a table's
-  memory can move: a host read of it moves it to managed memory). Only the misses' bytes move.
+- `kernel` (a CUDA GPU): one `mx.fast.cuda_kernel` a layer and token (`step_kernel`), which runs
+  the layer's map step, and the prefetch step of the layer it predicts for when one rides along,
+  then copies the records to fill across PCIe straight into the slot tables' memory: MLX cannot
+  name an existing array as a kernel's output, so the tables are the kernel's inputs and it writes
+  through their pointers, handed to it at every launch (a table's memory can move: a host read of
+  it moves it to managed memory). Only the misses' bytes move.
 - `ops` (the CPU, CI, and a fallback on a GPU): the same algorithm as MLX operations, and the fill
   as a gather from the host tier and one scatter per tensor (padded entries rewrite a slot with its
   own bytes). Tests check the two give the same maps on a GPU and the ops against a NumPy model of
-  the algorithm on the CPU.
+  the algorithm on the CPU, and the kernels on emulated CUDA threads against the ops on the CPU
+(tests/test_kernels.py).
 
 A prefill whose rows route to more experts than S cannot be planned without knowing them: it reads
 the indices back once per layer (a prefill is one call per prompt) and computes in the expert
@@ -35,6 +37,7 @@ batches of `moe.prefill_calls`, each through the same map step and fill.
 """
 
 import contextlib
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -176,189 +179,257 @@ def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recen
     return new, Fill(NO_REMAP, t["fill_e"], t["fill_s"], t["n"].reshape(1))
 
 
-# -- the map step as one CUDA kernel ----------------------------------------------------------------
-# One warp. The step is a sequence (each miss takes the least recently used slot left after the
-# misses before it), so the entries are walked in order by every lane alike; what is parallel is
-# each walk over the slots (the choice of a slot is a warp minimum) and the copies in and out. The
-# maps live in shared memory for the step: a single thread walking them in global memory cost tens
-# of microseconds a layer, a cost that grew with S. A slot's key is stamp * S + slot (a used slot's
+# -- a layer's step as one CUDA kernel --------------------------------------------------------------
+# One launch a layer: the demand step of its map, the prefetch step of its target's map when a
+# prefetch rides along, and the fills of both. Each launch is host work (MLX's primitive, its
+# evaluation, its graph node) and the token is a chain of them: on the H200 a separate map kernel
+# and fill kernel for each step cost more than the reads (docs/gpu.md). A kernel cannot wait for
+# all of its blocks, so every block runs the map steps itself, in its first warp (a map is a few
+# hundred bytes, and the blocks run them at once), and keeps the fill lists in shared memory;
+# block 0 alone writes the new maps out. Then every thread copies its share of the records.
+#
+# A map step is a sequence (each miss takes the least recently used slot left after the misses
+# before it), so the entries are walked in order by every lane alike; what is parallel is each
+# walk over the slots (the choice of a slot is a warp minimum) and the copies in and out. The maps
+# live in shared memory for the step: a single thread walking them in global memory cost tens of
+# microseconds a layer, a cost that grew with S. A slot's key is stamp * S + slot (a used slot's
 # stamp counts as 2^31, after every real one), unique, so that the minimum names its slot. Lane 0
 # alone writes the shared maps; a __syncwarp() stands between every read by all lanes and that
-# write. Both kinds of step share the head, the way a slot is taken and the padding of the fill
-# list; PROTECT (a template constant) is a prefetch's protect_recent.
-_HEAD = """
-const int lane = threadIdx.x;
-const int N = inds_shape[0];
-const int M = N < S ? N : S;
-const long long NONE = 0x7fffffffffffffffLL;
-__shared__ int so[E], ei[S], sto[S], pdo[S];
-__shared__ bool used[S], taken[S], seen[E];
-const int clk = clock[0];
-for (int x = lane; x < E; x += 32) { so[x] = slot_of[x]; seen[x] = false; }
-for (int s = lane; s < S; s += 32) {
-  ei[s] = expert_in[s]; sto[s] = stamp[s]; pdo[s] = pending[s];
-  used[s] = PROTECT && stamp[s] == clk - 1; taken[s] = false;
-}
-__syncwarp();
-for (int j = lane; j < N; j += 32) { const int e = inds[j]; if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true; }
-__syncwarp();
-int nfree = 0;
-for (int s = lane; s < S; s += 32) nfree += !used[s];
-for (int o = 16; o > 0; o >>= 1) nfree += __shfl_xor_sync(0xffffffffu, nfree, o);
-int n = 0, hits = 0, wasted = 0, rank = 0;
-for (int j = 0; j < N; ++j) {
-  const int e = inds[j];
-  if (e < 0) continue;
-  __syncwarp();
-  const bool was_seen = seen[e];
-  __syncwarp();
-  if (was_seen) continue;
-  if (lane == 0) seen[e] = true;
-"""
-_MIN = """
+# write. A demand and a prefetch step differ where DEMAND says; PROTECT is a prefetch's
+# protect_recent.
+STEP_HEADER = """
+__device__ inline long long titan_warp_min(long long best) {
   for (int o = 16; o > 0; o >>= 1) {
     const long long b = __shfl_xor_sync(0xffffffffu, best, o);
     best = b < best ? b : best;
   }
-"""
-_TAKE = (
-    """
-  long long best = NONE;
-  for (int s = lane; s < S; s += 32)
-    if (!used[s] && !taken[s]) { const long long key = (long long)stamp[s] * S + s; best = key < best ? key : best; }
-"""
-    + _MIN
-    + """
-  // none left: more experts than free slots, which a demand step's caller never plans
-  const int v = best == NONE ? 0 : (int)(((best % S) + S) % S);
-  __syncwarp();
-  if (lane == 0) {
-    taken[v] = true;
-    const int old = ei[v];
-    if (old >= 0) so[old] = -1;
-    so[e] = v; ei[v] = e;
-    if (n < M) { fill_e[n] = e; fill_s[n] = v; }
-    EXTRA_TAKE
+  return best;
+}
+
+template <int E, int S, bool DEMAND, bool PROTECT, typename I>
+__device__ int titan_map_step(
+    const I* inds, const int N, const int* slot_of, const int* expert_in, const int* stamp,
+    const int* clock, const int* counters, const int* pending, int* slot_of_o, int* expert_in_o,
+    int* stamp_o, int* clock_o, int* counters_o, int* pending_o, unsigned int* remapped,
+    int* fill_e, int* fill_s, int* count, int* fe, int* fs) {
+  __shared__ int so[E], ei[S], sto[S], pdo[S], n_out;
+  __shared__ bool used[S], taken[S], seen[E];
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int M = N < S ? N : S;
+    const long long NONE = 0x7fffffffffffffffLL;
+    const int clk = clock[0];
+    for (int x = lane; x < E; x += 32) { so[x] = slot_of[x]; seen[x] = false; }
+    for (int s = lane; s < S; s += 32) {
+      ei[s] = expert_in[s]; sto[s] = stamp[s]; pdo[s] = pending[s];
+      used[s] = PROTECT && stamp[s] == clk - 1; taken[s] = false;
+    }
+    __syncwarp();
+    for (int j = lane; j < N; j += 32) {
+      const int e = (int)inds[j];
+      if (e >= 0 && slot_of[e] >= 0) used[slot_of[e]] = true;
+    }
+    __syncwarp();
+    int nfree = 0;
+    for (int s = lane; s < S; s += 32) nfree += !used[s];
+    for (int o = 16; o > 0; o >>= 1) nfree += __shfl_xor_sync(0xffffffffu, nfree, o);
+    int n = 0, hits = 0, wasted = 0, rank = 0;
+    for (int j = 0; j < N; ++j) {
+      const int e = (int)inds[j];
+      if (e < 0) continue;
+      __syncwarp();
+      const bool was_seen = seen[e];
+      __syncwarp();
+      if (was_seen) continue;
+      if (lane == 0) seen[e] = true;
+      if (slot_of[e] >= 0) {  // resident: a prefetch touches it, so that its demand step finds it
+        if (DEMAND) ++hits; else if (lane == 0) sto[slot_of[e]] = clk;
+        continue;
+      }
+      if (!DEMAND && rank++ >= nfree) continue;  // a prefetch takes only slots no entry uses
+      long long best = NONE;
+      for (int s = lane; s < S; s += 32)
+        if (!used[s] && !taken[s]) {
+          const long long key = (long long)stamp[s] * S + s;
+          best = key < best ? key : best;
+        }
+      best = titan_warp_min(best);
+      // none left: more experts than free slots, which a demand step's caller never plans
+      const int v = best == NONE ? 0 : (int)(((best % S) + S) % S);
+      __syncwarp();
+      if (lane == 0) {
+        taken[v] = true;
+        const int old = ei[v];
+        if (old >= 0) so[old] = -1;
+        so[e] = v; ei[v] = e;
+        if (n < M) { fe[n] = e; fs[n] = v; }
+        if (!DEMAND) { pdo[v] = 1; sto[v] = clk; }
+      }
+      if (!DEMAND && pending[v]) ++wasted;  // a prefetch evicted before a demand step looked
+      ++n;
+    }
+    __syncwarp();
+    if (blockIdx.x == 0) {  // the new map, the fill list (padded with a slot that keeps its bytes)
+      long long best = NONE;
+      for (int s = lane; s < S; s += 32)
+        if (!taken[s]) {
+          const long long key = (used[s] ? 2147483648LL : (long long)stamp[s]) * S + s;
+          best = key < best ? key : best;
+        }
+      best = titan_warp_min(best);
+      const int pad = best == NONE ? fs[M - 1] : (int)(((best % S) + S) % S);
+      for (int j = lane; j < M; j += 32) { fill_e[j] = j < n ? fe[j] : -1; fill_s[j] = j < n ? fs[j] : pad; }
+      for (int x = lane; x < E; x += 32) slot_of_o[x] = so[x];
+      int useful = 0;
+      for (int s = lane; s < S; s += 32) {
+        expert_in_o[s] = ei[s];
+        if (DEMAND) {  // a prefetched slot is useful if this step uses it, wasted otherwise
+          stamp_o[s] = used[s] || taken[s] ? clk : stamp[s];
+          if (pending[s]) { if (used[s]) ++useful; else ++wasted; }
+          pending_o[s] = 0;
+        } else {
+          stamp_o[s] = sto[s]; pending_o[s] = pdo[s];
+        }
+      }
+      if (DEMAND) {
+        for (int j = lane; j < N; j += 32) {
+          const int e = (int)inds[j];
+          remapped[j] = e >= 0 ? (unsigned int)so[e] : 0u;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+          useful += __shfl_xor_sync(0xffffffffu, useful, o);
+          wasted += __shfl_xor_sync(0xffffffffu, wasted, o);
+        }
+      }
+      if (lane == 0) {
+        count[0] = n;
+        clock_o[0] = DEMAND ? clk + 1 : clk;
+        counters_o[0] = counters[0] + hits;
+        counters_o[1] = counters[1] + (DEMAND ? n : 0);
+        counters_o[2] = counters[2] + (DEMAND ? 0 : n);
+        counters_o[3] = counters[3] + useful;
+        counters_o[4] = counters[4] + wasted;
+      }
+    }
+    if (lane == 0) n_out = n;
   }
-"""
-)
-_PAD = (
-    """
-}
-__syncwarp();
-long long best = NONE;
-for (int s = lane; s < S; s += 32)
-  if (!taken[s]) {
-    const long long key = (used[s] ? 2147483648LL : (long long)stamp[s]) * S + s;
-    best = key < best ? key : best;
-  }
-"""
-    + _MIN
-    + """
-const int pad = best == NONE ? fill_s[M - 1] : (int)(((best % S) + S) % S);
-for (int j = n + lane; j < M; j += 32) { fill_e[j] = -1; fill_s[j] = pad; }
-if (lane == 0) count[0] = n;
-for (int x = lane; x < E; x += 32) slot_of_o[x] = so[x];
-"""
-)
-MAP_SOURCE = (
-    _HEAD
-    + "  if (slot_of[e] >= 0) { ++hits; continue; }"
-    + _TAKE.replace("EXTRA_TAKE", "")
-    + "  ++n;"
-    + _PAD
-    + """
-for (int j = lane; j < N; j += 32) { const int e = inds[j]; remapped[j] = e >= 0 ? (unsigned int)so[e] : 0u; }
-int useful = 0;
-for (int s = lane; s < S; s += 32) {
-  expert_in_o[s] = ei[s];
-  stamp_o[s] = used[s] || taken[s] ? clk : stamp[s];
-  if (pending[s]) { if (used[s]) ++useful; else ++wasted; }
-  pending_o[s] = 0;
-}
-for (int o = 16; o > 0; o >>= 1) {
-  useful += __shfl_xor_sync(0xffffffffu, useful, o);
-  wasted += __shfl_xor_sync(0xffffffffu, wasted, o);
-}
-if (lane == 0) {
-  clock_o[0] = clk + 1;
-  counters_o[0] = counters[0] + hits;
-  counters_o[1] = counters[1] + n;
-  counters_o[2] = counters[2];
-  counters_o[3] = counters[3] + useful;
-  counters_o[4] = counters[4] + wasted;
+  __syncthreads();
+  return n_out;
 }
 """
-)
-PREFETCH_SOURCE = (
-    _HEAD
-    + """  if (slot_of[e] >= 0) { if (lane == 0) sto[slot_of[e]] = clk; continue; }
-  if (rank++ >= nfree) continue;"""
-    + _TAKE.replace("EXTRA_TAKE", "pdo[v] = 1; sto[v] = clk;")
-    + """  if (pending[v]) ++wasted;
-  ++n;"""
-    + _PAD
-    + """
-__syncwarp();
-for (int s = lane; s < S; s += 32) { expert_in_o[s] = ei[s]; stamp_o[s] = sto[s]; pending_o[s] = pdo[s]; }
-if (lane == 0) {
-  clock_o[0] = clk;
-  counters_o[0] = counters[0];
-  counters_o[1] = counters[1];
-  counters_o[2] = counters[2] + n;
-  counters_o[3] = counters[3];
-  counters_o[4] = counters[4] + wasted;
-}
-"""
-)
 WARP = 32
+FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
+STATE = ("slot_of", "expert_in", "stamp", "clock", "counters", "pending")
+
+
+@dataclass
+class Job:
+    """One layer's part of a step kernel: its map, the experts (any shape; -1: ignored), a demand
+    step (remapped indices out) or a prefetch, and for a fill its id on the device and its tables."""
+
+    state: MapState
+    inds: mx.array
+    slots: int
+    demand: bool = True
+    protect_recent: bool = False
+    layer: mx.array | None = None
+    tables: tuple = ()
+
+
+def job_names(j: int, demand: bool, fill: bool) -> tuple:
+    """Job j's inputs and outputs in a step kernel."""
+    ins = (f"inds{j}", *(f"{s}{j}" for s in STATE)) + ((f"layer{j}",) if fill else ())
+    outs = tuple(f"{s}_o{j}" for s in STATE) + (f"fill_e{j}", f"fill_s{j}", f"count{j}")
+    return ins, outs + ((f"remapped{j}",) if demand else ())
+
+
+@functools.cache
+def step_source(kinds: tuple, tensors: tuple, record_bytes: int, experts: int) -> str:
+    """A step kernel's body: job j (`kinds[j]` True: a demand step) runs its map step (STEP_HEADER)
+    into shared fill lists, then, with `tensors`, every thread copies its share of each job's
+    filled records from the host tier at base[0] into the slots of tables `tab{j}_{i}` (inputs:
+    written through their pointers)."""
+    lines = []
+    for j, demand in enumerate(kinds):
+        state = ", ".join(f"{s}{j}" for s in STATE) + ", " + ", ".join(f"{s}_o{j}" for s in STATE)
+        lines += [
+            f"__shared__ int fe{j}[S{j}], fs{j}[S{j}];",
+            f"int N{j} = 1;",
+            f"for (int d = 0; d < inds{j}_ndim; ++d) N{j} *= inds{j}_shape[d];",
+            f"const int n{j} = titan_map_step<E, S{j}, {str(demand).lower()}, P{j}>(inds{j}, N{j}, {state}, "
+            f"{f'remapped{j}' if demand else 'nullptr'}, fill_e{j}, fill_s{j}, count{j}, fe{j}, fs{j});",
+        ]
+    if tensors:
+        lines += ["const unsigned long long area = base[0];", *GRID_STRIDE]
+        for j in range(len(kinds)):
+            record = f"((unsigned long long)layer{j}[0] * {experts}ULL + fe{j}[r])"
+            dest = lambda i, ct, w, j=j: f"(({ct}*)tab{j}_{i}) + (size_t)fs{j}[r] * {w}"  # noqa: E731
+            lines += record_loops(tensors, record_bytes, f"n{j}", record, dest)
+    return "\n".join(lines)
+
+
+def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream=None) -> list:
+    """The jobs' map steps and (with `tensors`) fills as one kernel: for each job its new MapState and
+    Fill, whose `remapped` (a demand job's, in its indices' shape) or `count` are outputs of the
+    kernel, so that whatever reads them runs after every copy. `after`: arrays whose producers
+    must have run first (the previous readers of these tables, a prefetch's fill of them): MLX
+    orders kernels by what they read and write, and it cannot see writes through a pointer."""
+    after = [a for a in after if a is not None]
+    fill = bool(tensors)
+    ins, outs, inputs, shapes, dtypes, template = [], [], [], [], [], [("E", jobs[0].state.slot_of.shape[0])]
+    if fill:
+        ins.append("base")
+        inputs.append(tier.base)
+    for j, job in enumerate(jobs):
+        i, o = job_names(j, job.demand, fill)
+        ins += i
+        outs += o
+        inputs += [job.inds, *job.state.arrays()] + ([job.layer] if fill else [])
+        E, S, N = job.state.slot_of.shape[0], job.slots, job.inds.size
+        shapes += state_shapes(E, S) + [(min(N, S),), (min(N, S),), (1,)] + ([job.inds.shape] if job.demand else [])
+        dtypes += [mx.int32] * 9 + ([mx.uint32] if job.demand else [])
+        template += [(f"S{j}", S), (f"P{j}", bool(job.protect_recent))]
+    for j, job in enumerate(jobs):
+        ins += [f"tab{j}_{i}" for i in range(len(job.tables))] if fill else []
+        inputs += list(job.tables) if fill else []
+    ins += [f"after{i}" for i in range(len(after))]
+    inputs += after
+    kinds = tuple(job.demand for job in jobs)
+    src = step_source(kinds, tuple(tensors), tier.record_bytes if fill else 0, tier.num_experts if fill else 0)
+    k = cuda_kernel("step", tuple(ins), tuple(outs), src, STEP_HEADER)
+    out = k(
+        inputs=inputs,
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+        grid=(FILL_THREADS if fill else WARP, 1, 1),
+        threadgroup=(256 if fill else WARP, 1, 1),
+        template=template,
+        stream=stream,
+    )
+    res, at = [], 0
+    for job in jobs:
+        n = 10 if job.demand else 9
+        o = out[at : at + n]
+        at += n
+        res.append((MapState(*o[:6]), Fill(o[9] if job.demand else NO_REMAP, o[6], o[7], o[8])))
+    return res
 
 
 def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) -> tuple:
-    """`map_step_ops` as one one-warp CUDA kernel (the same outputs, bit for bit)."""
-    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
-    M = min(N, S)
-    k = cuda_kernel("map", STATE_IN, STATE_OUT + ("remapped", "fill_e", "fill_s", "count"), MAP_SOURCE)
-    i32 = mx.int32
-    out = k(
-        inputs=[inds, *state.arrays()],
-        output_shapes=state_shapes(E, S) + [(N,), (M,), (M,), (1,)],
-        output_dtypes=[i32] * 6 + [mx.uint32, i32, i32, i32],
-        grid=(WARP, 1, 1),
-        threadgroup=(WARP, 1, 1),
-        template=[("E", E), ("S", S), ("PROTECT", False)],
-        stream=stream,
-    )
-    return MapState(*out[:6]), Fill(*out[6:])
+    """`map_step_ops` as a step kernel with no fill (the same outputs, bit for bit)."""
+    return step_kernel([Job(state, inds, slots)], stream=stream)[0]
 
 
 def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_recent=False, stream=None) -> tuple:
-    """`prefetch_step_ops` as one one-warp CUDA kernel."""
-    E, S, N = state.slot_of.shape[0], slots, inds.shape[0]
-    M = min(N, S)
-    k = cuda_kernel("prefetch", STATE_IN, STATE_OUT + ("fill_e", "fill_s", "count"), PREFETCH_SOURCE)
-    i32 = mx.int32
-    out = k(
-        inputs=[inds, *state.arrays()],
-        output_shapes=state_shapes(E, S) + [(M,), (M,), (1,)],
-        output_dtypes=[i32] * 6 + [i32, i32, i32],
-        grid=(WARP, 1, 1),
-        threadgroup=(WARP, 1, 1),
-        template=[("E", E), ("S", S), ("PROTECT", bool(protect_recent))],
-        stream=stream,
-    )
-    return MapState(*out[:6]), Fill(NO_REMAP, *out[6:])
-
-
-STATE_IN = ("inds", "slot_of", "expert_in", "stamp", "clock", "counters", "pending")
-STATE_OUT = ("slot_of_o", "expert_in_o", "stamp_o", "clock_o", "counters_o", "pending_o")
+    """`prefetch_step_ops` as a step kernel with no fill."""
+    return step_kernel([Job(state, inds, slots, demand=False, protect_recent=protect_recent)], stream=stream)[0]
 
 
 def state_shapes(E: int, S: int) -> list:
     return [(E,), (S,), (S,), (1,), (len(COUNTERS),), (S,)]
 
 
-# -- the fill ---------------------------------------------------------------------------------------
+# -- the fill as MLX operations ---------------------------------------------------------------------
 def fill_ops(tier: HostTier, layer: int, buffers, tensors, fill: Fill):
     """Copy the filled experts' records from the host tier into their slots: one gather of the
     records and one scatter per tensor; the padded entries write a slot's own bytes back."""
@@ -369,48 +440,6 @@ def fill_ops(tier: HostTier, layer: int, buffers, tensors, fill: Fill):
         vals = rows[:, t.offset : t.offset + t.nbytes].view(mx_dtype(t.dtype)).reshape(M, *t.shape)
         keep = buf[fill.slots]
         buf[fill.slots] = mx.where(real.reshape(M, *[1] * len(t.shape)), vals, keep)
-
-
-def fill_source(tensors, record_bytes: int, experts: int) -> str:
-    """The fill kernel: rows r < count[0] of (fill_e, fill_s) copy tensor i of record (layer, e) of
-    the host tier at base[0] into slot s of table `tab{i}` (an input: written through its pointer);
-    `remapped` passes through, so that what reads it (the layer's SwitchGLU) runs after the copy."""
-    head = [
-        "const unsigned long long area = base[0];",
-        f"const unsigned long long first_rec = (unsigned long long)layer[0] * {experts}ULL;",
-        "const int n = count[0];",
-        *GRID_STRIDE,
-        "const size_t N = remapped_shape[0];",
-        "for (size_t i = first; i < N; i += step) remapped_o[i] = remapped[i];",
-    ]
-    dest = lambda i, ct, w: f"(({ct}*)tab{i}) + (size_t)fill_s[r] * {w}"  # noqa: E731
-    return "\n".join(head + record_loops(tensors, record_bytes, "n", "(first_rec + fill_e[r])", dest))
-
-
-FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
-
-
-def fill_kernel(tier: HostTier, layer_arr, tables, tensors, fill: Fill, after=(), stream=None, source=None) -> mx.array:
-    """The fill as one kernel writing into the slot `tables` (one layer's, evaluated and contiguous);
-    returns `fill.remapped` as the kernel's output (the dependency that orders the layer's SwitchGLU
-    after the copy). `after`: arrays whose producers must have run first (the previous readers of
-    these tables, a prefetch's fill of them): MLX orders kernels by what they read and write, and it
-    cannot see these writes. `source`: fill_source's text, made once by the caller (it is the same
-    for every layer)."""
-    after = [a for a in after if a is not None]
-    src = source or fill_source(tensors, tier.record_bytes, tier.num_experts)
-    names = ("base", "layer", "fill_e", "fill_s", "count", "remapped")
-    names += tuple(f"tab{i}" for i in range(len(tables))) + tuple(f"after{i}" for i in range(len(after)))
-    k = cuda_kernel("fill", names, ("remapped_o",), src)
-    (out,) = k(
-        inputs=[tier.base, layer_arr, fill.experts, fill.slots, fill.count, fill.remapped, *tables, *after],
-        output_shapes=[fill.remapped.shape],
-        output_dtypes=[mx.uint32],
-        grid=(FILL_THREADS, 1, 1),
-        threadgroup=(256, 1, 1),
-        stream=stream,
-    )
-    return out
 
 
 # -- the cache --------------------------------------------------------------------------------------
@@ -480,8 +509,6 @@ class DeviceCache:
         mx.eval(self.tables)
         self.states = [MapState.empty(self.num_experts, s) for s in per_layer]
         self.layer_ids = [device_indices([i]) for i in range(store.num_layers)]
-        if mode == "kernel":
-            self.fill_src = fill_source(self.tensors, self.tier.record_bytes, self.num_experts)
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
         self.prefetched = [None] * store.num_layers  # each layer's last prefetch fill (kernel mode's ordering)
         self.overlap = overlap
@@ -500,30 +527,38 @@ class DeviceCache:
         # the initial fill is not a miss of any token
         self.states[layer].counters = mx.zeros((len(COUNTERS),), mx.int32)
 
-    def step(self, layer: int, inds: mx.array) -> mx.array:
-        """The map step and fill of `layer` for the router's flat indices `inds` (int32, -1 =
-        ignore); returns the indices remapped to slots, ready for the layer's SwitchGLU."""
+    def step(self, layer: int, inds: mx.array, ahead=None) -> mx.array:
+        """The map step and fill of `layer` for the router's indices `inds` (any shape, int32 -1 =
+        ignore); returns them remapped to slots, in their shape, ready for the layer's SwitchGLU.
+        `ahead`: a prefetch (target layer, predicted experts) issued with it, in the same kernel on
+        the decode stream, else first, through `prefetch`."""
         S = self.slots[layer]
-        if self.mode == "kernel":
-            state, fill = map_step_kernel(self.states[layer], inds, S)
-            after = (self.after[layer], self.prefetched[layer])
-            remapped = fill_kernel(
-                self.tier, self.layer_ids[layer], self.tables[layer], self.tensors, fill, after, source=self.fill_src
-            )
-            self.prefetched[layer] = None
-        else:
-            state, fill = map_step_ops(self.states[layer], inds, S)
+        if ahead is not None and (self.overlap or self.mode == "ops"):
+            self.prefetch(*ahead)
+            ahead = None
+        if self.mode == "ops":
+            state, fill = map_step_ops(self.states[layer], inds.reshape(-1).astype(mx.int32), S)
             fill_ops(self.tier, layer, self.tables[layer], self.tensors, fill)
-            remapped = fill.remapped
             # Not all of the new map feeds this step's compute: evaluate it with the step (no wait),
             # or a decode nobody reads counters from would chain every step's map to the next.
             mx.async_eval(state.arrays())
-        self.states[layer] = state
-        return remapped
+            self.states[layer] = state
+            return fill.remapped.reshape(inds.shape)
+        jobs = [Job(self.states[layer], inds, S, layer=self.layer_ids[layer], tables=self.tables[layer])]
+        after = [self.after[layer], self.prefetched[layer]]
+        if ahead is not None:
+            t, pred = ahead
+            jobs.append(Job(self.states[t], pred, self.slots[t], False, False, self.layer_ids[t], self.tables[t]))
+            after += [self.after[t], self.prefetched[t]]
+        out = step_kernel(jobs, self.tier, self.tensors, after)
+        self.states[layer], self.prefetched[layer] = out[0][0], None
+        if ahead is not None:
+            self.states[t], self.prefetched[t] = out[1][0], out[1][1].count
+        return out[0][1].remapped
 
     def prefetch(self, layer: int, inds: mx.array, protect_recent: bool = False):
         """Fill `layer`'s slots with the predicted experts `inds` (int32, -1 = dropped), lazily,
-        ahead of its demand step (prefetch_step_ops).
+        ahead of its demand step (prefetch_step_ops), in a launch of its own.
 
         With `overlap`, on the prefetch stream, and never with a dependency between the two streams
         inside one evaluation: there MLX's CUDA backend makes the host wait for the other stream
@@ -532,18 +567,20 @@ class DeviceCache:
         handed to an evaluation first, and the prefetch's own work gets one of its own, which the
         decode stream's later readers of this layer (its demand step) then wait for on the device."""
         S = self.slots[layer]
+        if self.mode == "ops":  # the operations' flat int32 entries, made on the stream inds come from
+            inds = inds.reshape(-1).astype(mx.int32)
         stream = prefetch_stream() if self.overlap else None
         if stream is not None:
             self.streams_used.add(stream)
             before = [inds, *self.states[layer].arrays(), *self.tables[layer], self.after[layer]]
             mx.async_eval([a for a in before if a is not None])
         if self.mode == "kernel":
-            state, fill = prefetch_step_kernel(self.states[layer], inds, S, protect_recent, stream=stream)
-            self.prefetched[layer] = fill_kernel(
-                self.tier, self.layer_ids[layer], self.tables[layer], self.tensors, fill, (self.after[layer],),
-                stream, source=self.fill_src,
-            )  # fmt: skip
-            made = [self.prefetched[layer], *state.arrays()]
+            job = Job(self.states[layer], inds, S, False, protect_recent, self.layer_ids[layer], self.tables[layer])
+            ((state, fill),) = step_kernel(
+                [job], self.tier, self.tensors, (self.after[layer], self.prefetched[layer]), stream
+            )
+            self.prefetched[layer] = fill.count
+            made = [fill.count, *state.arrays()]
         else:
             with mx.stream(stream) if stream is not None else contextlib.nullcontext():
                 state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
@@ -615,22 +652,21 @@ class DeviceSwitchGLU(OffloadedSwitch):
         if S == cache.num_experts:
             return self.glu(x, indices)  # slot e holds expert e
         if indices.size <= S:  # a decode step, or any call whose choices fit: nothing leaves the device
-            inds = indices.reshape(-1).astype(mx.int32)
-            remapped = cache.step(layer, inds)
             pf = cache.prefetcher if indices.size == k else None  # prefetch while decoding, one row
-            wraps = pf is not None and pf.target(layer)[0] == layer
-            if pf is not None and not wraps:  # line 13: layer l+d's experts, before this layer's compute
-                pred = pf.predict(layer, x.reshape(-1, x.shape[-1])[-1], inds, cache.position)
+            target = pf.target(layer)[0] if pf is not None else None
+            ahead = None
+            if pf is not None and target != layer:  # line 13: layer l+d's experts, with this layer's step
+                pred = pf.predict(layer, x, indices, cache.position)
                 if pred is not None:
-                    cache.prefetch(pf.target(layer)[0], pred)
-            y = self.glu(x, remapped.reshape(indices.shape))
+                    ahead = (target, pred)
+            y = self.glu(x, cache.step(layer, indices, ahead))
             cache.after[layer] = y
-            if wraps:  # onto this very layer (the next token's): once its experts are read, sparing them
-                pred = pf.predict(layer, x.reshape(-1, x.shape[-1])[-1], inds, cache.position)
+            if pf is not None and target == layer:  # onto this very layer (the next token's): once its
+                pred = pf.predict(layer, x, indices, cache.position)  # experts are read, sparing them
                 if pred is not None:
                     cache.prefetch(layer, pred, protect_recent=True)
             if pf is not None:
-                pf.remember(layer, inds)
+                pf.remember(layer, indices)
             return y
         # A prefill whose rows may route to more experts than slots: planned on the host, once per
         # layer, in the expert batches of moe.prefill_calls, each through the same map and fill.

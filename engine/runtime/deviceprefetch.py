@@ -2,7 +2,8 @@
 from what the device already holds, and issued through the target layer's slot map and fill
 (`DeviceCache.prefetch`) on a stream of its own, so that no prediction reads anything back.
 
-- oracle: the trace of the very run, uploaded once it is bound, a layer's row sliced from it;
+- oracle: the trace of the very run, uploaded once it is bound, as one evaluated row a token and
+  layer (a token's graph then holds no operation of the oracle's);
 - popularity: a constant per target layer;
 - previous: the experts the target layer used at the last decode step (kept on the device);
 - transition: the fitted counts of layer l -> l+d on the device, summed over this token's experts
@@ -32,21 +33,22 @@ class DevicePrefetch:
         self._const = {}  # popularity: target -> its prediction
         self._counts = {}  # transition: layer -> (E, E) counts, target -> popularity tie-break
         self.last = [None] * num_layers  # previous: each layer's last decode step's experts
-        self._bound = (None, None)  # oracle: the bound trace and its upload
+        self._bound = (None, None)  # oracle: the bound trace and its rows on the device
 
     def target(self, layer: int):
         return P.target_of(layer, self.depth, self.L)
 
-    def predict(self, layer: int, x_row: mx.array, inds: mx.array, position: int) -> mx.array | None:
-        """Layer `layer+depth`'s predicted experts, (m,) int32 with -1 for dropped ones, lazily; None
-        when there is nothing to predict (the oracle past its trace)."""
+    def predict(self, layer: int, x: mx.array, inds: mx.array, position: int) -> mx.array | None:
+        """Layer `layer+depth`'s predicted experts, (m,) with -1 for dropped ones, lazily, from this
+        layer's MoE input `x` and router indices `inds` (as the layer has them); None when there is
+        nothing to predict (the oracle past its trace)."""
         p = self.predictor
         target, offset = self.target(layer)
         if isinstance(p, P.Oracle):
             t = position + offset
             if t >= len(p.sets):
                 return None
-            return self._trace(p.sets)[t, target]
+            return self._rows(p.sets)[t][target]
         if isinstance(p, P.Popularity):
             if target not in self._const:
                 ctx = P.Context(0, layer, target, offset, np.zeros(0, np.int64), None, [None] * self.L)
@@ -54,22 +56,26 @@ class DevicePrefetch:
             return self._const[target]
         if isinstance(p, P.Previous):
             last = self.last[target]
-            return None if last is None else last[: self.size]
+            return None if last is None else last.reshape(-1)[: self.size]
         if isinstance(p, P.Transition):
             return self._transition(layer, target, inds)
         if isinstance(p, P.Probe):
-            scores = p.device_scores(layer, x_row)
+            scores = p.device_scores(layer, x.reshape(-1, x.shape[-1])[-1])
             top = mx.argsort(-scores)[: self.size].astype(mx.int32)
             if self.floor > 0:
                 top = mx.where(mx.sigmoid(scores[top]) >= self.floor, top, -1)
             return top
         raise ValueError(f"predictor {p.name!r} has no device-side prediction")
 
-    def _trace(self, sets: np.ndarray) -> mx.array:
-        """The bound trace's (T, L, size) predictions on the device, uploaded once per binding: a
-        layer's prediction is then a slice of it, no host-made array inside a token."""
+    def _rows(self, sets: np.ndarray) -> list:
+        """The bound trace's predictions on the device, uploaded once per binding and evaluated
+        there as one row a token and layer: a token's prediction is then an array already made,
+        not an operation of its graph."""
         if self._bound[0] is not sets:  # held here, so never another array at the same address
-            self._bound = (sets, device_indices(sets[:, :, : self.size], np.int32))
+            trace = device_indices(sets[:, :, : self.size], np.int32)
+            rows = [[trace[t, layer] for layer in range(self.L)] for t in range(len(sets))]
+            mx.eval(rows)
+            self._bound = (sets, rows)
         return self._bound[1]
 
     def _transition(self, layer, target, inds):
@@ -78,7 +84,7 @@ class DevicePrefetch:
             self._counts[layer] = mx.array(p.counts[layer].astype(np.int32))
         if ("pop", target) not in self._counts:
             self._counts[("pop", target)] = mx.array(p.popularity[target].astype(np.int64))
-        rows = self._counts[layer][inds.astype(mx.int32)]  # (K, E)
+        rows = self._counts[layer][inds.reshape(-1).astype(mx.int32)]  # (K, E)
         scores = rows.sum(0).astype(mx.int64)
         pop = self._counts[("pop", target)]
         # `_top`'s order (score, then popularity, then the lower index) as one integer key
@@ -90,5 +96,5 @@ class DevicePrefetch:
         return top
 
     def remember(self, layer: int, inds: mx.array):
-        """This decode step's experts at `layer` (for `previous`)."""
+        """This decode step's experts at `layer`, as the router gave them (for `previous`)."""
         self.last[layer] = inds

@@ -87,13 +87,14 @@ def kernel_source(tensors, record_bytes: int) -> str:
 
 
 @functools.cache
-def cuda_kernel(name: str, inputs: tuple, outputs: tuple, source: str):
-    """One `mx.fast.cuda_kernel` per body and signature, named by their digest (MLX compiles it at
-    its first launch). Cached: a decode step asks for its kernels at every layer."""
-    digest = hashlib.sha256("\0".join([source, *inputs, "|", *outputs]).encode()).hexdigest()[:16]
+def cuda_kernel(name: str, inputs: tuple, outputs: tuple, source: str, header: str = ""):
+    """One `mx.fast.cuda_kernel` per body, header and signature, named by their digest (MLX compiles
+    it at its first launch). Cached: a decode step asks for its kernels at every layer."""
+    digest = hashlib.sha256("\0".join([header, source, *inputs, "|", *outputs]).encode()).hexdigest()[:16]
     return mx.fast.cuda_kernel(
-        name=f"titan_{name}_{digest}", input_names=list(inputs), output_names=list(outputs), source=source
-    )
+        name=f"titan_{name}_{digest}", input_names=list(inputs), output_names=list(outputs), source=source,
+        header=header,
+    )  # fmt: skip
 
 
 def copy_kernel(tensors, record_bytes: int):
