@@ -87,14 +87,13 @@ class Engine:
                 f"{self.store.path}: {self.store.num_layers} MoE layers, model has {len(blocks)}"
             )
         self.install = self._choose_install(config, prefetcher)
+        overlap = resolved_overlap(config.overlap, self.install)
         if self.install == "device":
             try:
                 device_pf = None
                 if prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
                     device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, len(blocks), num_experts)
-                self.cache = DeviceCache(
-                    self.store, slots, prefetcher=device_pf, overlap=resolved_overlap(config.overlap, "device")
-                )
+                self.cache = DeviceCache(self.store, slots, prefetcher=device_pf, overlap=overlap)
             except BaseException:
                 self.store.close()
                 raise
@@ -110,7 +109,7 @@ class Engine:
                 prefetcher,
                 config.sync,
                 config.staging_records,
-                resolved_overlap(config.overlap, self.install),
+                overlap,
             )
             self.tables = self.cache.tables
             for o, b in enumerate(blocks):
