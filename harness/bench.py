@@ -590,7 +590,7 @@ def prefetch_bench(a):
             eng = engines[c]
             eng.bind_oracle(sets)
             _, recs, _ = decode(eng.model, ids, a.tokens)
-            per_prompt[c].append(dict(totals(recs), split=time_split(recs)))
+            per_prompt[c].append(dict(totals(recs), split=time_split(recs), calls=call_split(recs)))
     installs = {c: e.install for c, e in engines.items()}
     for eng in engines.values():
         eng.close()
@@ -614,6 +614,8 @@ def prefetch_bench(a):
             stall_ms_max=max(stall),
             hit_rate=tot["hits"] / (tot["hits"] + tot["misses"]) if tot["hits"] + tot["misses"] else None,
             time_split_ms={k: _median([r["split"][k] for r in runs]) for k in runs[0]["split"]},
+            # the token seen from the host: building its graph, then waiting for its evaluation
+            call_split_ms={k: _median([r["calls"][k] for r in runs]) for k in runs[0]["calls"]},
             **{k: tot[k] for k in counts[2:]},
         )
     base = table["none/d0"]["stall_ms_per_token"]
@@ -655,6 +657,7 @@ def prefetch_bench(a):
         )
         if v["predictor"] != "resident":
             print("      ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in v["time_split_ms"].items()))
+        print("      host ms/token: " + ", ".join(f"{p} {x:.2f}" for p, x in v["call_split_ms"].items()))
     if best:
         print(f"  best fitted predictor: {best}")
     return out
