@@ -239,6 +239,14 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     stalls = {"stall_ms_per_token[oracle/d2/serial/device]": 0.0, "stall_ms_per_token[none/d0/device]": 0.0}
     text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **stalls}.items()]))
     assert "6.25 and resident's 5.00, neither waiting for a read: the rest is the prefetch's own launches" in text
+    assert "builds its graph" not in text  # a run without the host's split says nothing of it
+    graph = {
+        "graph_ms[oracle/d2/serial/device]": 4.0,
+        "graph_ms[none/d0/device]": 3.0,
+        "graph_ms[resident/d0/device]": 2.0,
+    }
+    text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph}.items()]))
+    assert "resident's 5.00; the host builds its graph in 4.00 ms against 3.00 and 2.00" in text
     # a default faster than both says nothing of the kind
     quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))
