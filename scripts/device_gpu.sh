@@ -12,6 +12,7 @@
 #   syncfree (the device install beside the pinned one: throughput at S = 8, 16, 32 through
 #   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch), oracle (that
 #   prefetch alone, on a stream of its own and on the decode stream, 5 prompts; needs build),
+#   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
@@ -29,6 +30,8 @@
 # prints their log as it grows and, once they end or BUDGET is spent, brings back what they have
 # made so far (OUTDIR/raw.tgz, logs.tgz, log.txt). The same command again waits on the same
 # process; once it has ended, it runs the steps again in the same copy, where Snakemake resumes.
+# The development device goes cold 30 s after a call returns, and takes the detached steps with it:
+# call again at once (a session lost a suite run half way to a two-minute pause).
 # `wide:code` and `wide:code,general` are the wide step for those prompt sets (PSETS), so that
 # one detached run can do one set and then both.
 set -uo pipefail
@@ -129,6 +132,7 @@ for step in "$@"; do
     oracle)  # the syncfree step's prefetch alone: the oracle's fills on their own stream and on the decode stream
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
+    launch) run $py scripts/probe_launch_cost.py ;;
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
               --installs pinned --overlap on --record ;;
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
