@@ -547,6 +547,9 @@ def install(a):
     return out
 
 
+WARM_TOKENS = 4  # a prefetch bench's warm-up decode per engine
+
+
 def prefetch_bench(a):
     """Demand loading against every predictor and depth at S = E/4 (or --slots), with resident
     decoding (S = E) in the same run. Each prompt is one repetition: every configuration decodes
@@ -582,6 +585,13 @@ def prefetch_bench(a):
     }
     rows = prompts.load(a.set, "eval")[: a.prompts]
     counts = ("hits", "misses", "issued", "useful", "wasted", "late")
+    # A few tokens of the first prompt through every engine first: a kernel's first-use compilation
+    # (on a GPU, a second or more) would otherwise fall on whichever configuration decodes first.
+    warm = tok.encode(rows[0]["text"]) if rows else []
+    warm_sets = trace.record(ref, warm, WARM_TOKENS)["experts"] if rows else None
+    for eng in engines.values() if rows else ():
+        eng.bind_oracle(warm_sets)
+        decode(eng.model, warm, WARM_TOKENS)
     per_prompt = {c: [] for c in configs}
     for i, p in enumerate(rows):
         ids = tok.encode(p["text"])

@@ -752,10 +752,11 @@ def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path
     assert (figdir / "throughput_vs_memory.png").exists()
 
 
-def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys):
+def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys, monkeypatch):
     """bench prefetch with the device install and `--overlap` left to the engine (auto): the
     oracle's row is the decode stream's (`/serial`, overlap false), the engine's default there; asked
-    for both, each stream has its row, and demand loading and resident decoding keep theirs."""
+    for both, each stream has its row, and demand loading and resident decoding keep theirs. Each
+    engine decodes a few warm-up tokens before its measured decodes."""
     import argparse
 
     from harness import bench
@@ -764,8 +765,16 @@ def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys):
         model="qwen3moe-tiny", slots=[8], tier="page_cache", install="device", predictors=["oracle"],
         depths=[1], min_probs=[0.0], set="general", prompts=1, tokens=3, overlap="auto",
     )  # fmt: skip
+    decoded = []
+    real_decode = bench.decode
+    monkeypatch.setattr(
+        bench, "decode", lambda m, ids, n, *x, **kw: decoded.append((m, n)) or real_decode(m, ids, n, *x, **kw)
+    )
     rows = bench.prefetch_bench(a)["results"]
     assert set(rows) == {"resident/d0", "none/d0", "oracle/d1/serial"}
+    # every engine first decodes a few warm-up tokens (first-use compilation), then the measured ones
+    warm = [m for m, n in decoded[:3] if n == bench.WARM_TOKENS]
+    assert len({id(m) for m in warm}) == 3 and [n for _, n in decoded[3:]] == [a.tokens] * 3
     assert rows["oracle/d1/serial"]["overlap"] is False and rows["oracle/d1/serial"]["install"] == "device"
     a.overlap = "both"
     rows = bench.prefetch_bench(a)["results"]
