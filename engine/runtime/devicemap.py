@@ -368,6 +368,24 @@ def step_source(kinds: tuple, tensors: tuple, record_bytes: int, experts: int) -
     return "\n".join(lines)
 
 
+@functools.cache
+def step_signature(kinds: tuple, tensors: tuple, record_bytes: int, experts: int, n_after: int) -> tuple:
+    """The step kernel's input names, output names, body and output dtypes for jobs of `kinds`
+    (True: demand) with `n_after` ordering inputs: made once per signature, as a decode asks for
+    them at every layer (the kernel itself is `staging.cuda_kernel`'s to keep)."""
+    fill = bool(tensors)
+    ins, outs, dtypes = ["base"] if fill else [], [], []
+    for j, demand in enumerate(kinds):
+        i, o = job_names(j, demand, fill)
+        ins += i
+        outs += o
+        dtypes += [mx.int32] * 9 + ([mx.uint32] if demand else [])
+    for j in range(len(kinds) if fill else 0):
+        ins += [f"tab{j}_{i}" for i in range(len(tensors))]
+    ins += [f"after{i}" for i in range(n_after)]
+    return tuple(ins), tuple(outs), step_source(kinds, tensors, record_bytes, experts), dtypes
+
+
 def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream=None) -> list:
     """The jobs' map steps and (with `tensors`) fills as one kernel: for each job its new MapState and
     Fill, whose `remapped` (a demand job's, in its indices' shape) or `count` are outputs of the
@@ -376,29 +394,20 @@ def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream
     orders kernels by what they read and write, and it cannot see writes through a pointer."""
     after = [a for a in after if a is not None]
     fill = bool(tensors)
-    ins, outs, inputs, shapes, dtypes, template = [], [], [], [], [], [("E", jobs[0].state.slot_of.shape[0])]
-    if fill:
-        ins.append("base")
-        inputs.append(tier.base)
+    kinds = tuple(job.demand for job in jobs)
+    dims = (tier.record_bytes, tier.num_experts) if fill else (0, 0)
+    ins, outs, src, dtypes = step_signature(kinds, tuple(tensors), *dims, len(after))
+    k = cuda_kernel("step", ins, outs, src, STEP_HEADER)
+    inputs, shapes, template = [tier.base] if fill else [], [], [("E", jobs[0].state.slot_of.shape[0])]
     for j, job in enumerate(jobs):
-        i, o = job_names(j, job.demand, fill)
-        ins += i
-        outs += o
         inputs += [job.inds, *job.state.arrays()] + ([job.layer] if fill else [])
         E, S, N = job.state.slot_of.shape[0], job.slots, job.inds.size
         shapes += state_shapes(E, S) + [(min(N, S),), (min(N, S),), (1,)] + ([job.inds.shape] if job.demand else [])
-        dtypes += [mx.int32] * 9 + ([mx.uint32] if job.demand else [])
         template += [(f"S{j}", S), (f"P{j}", bool(job.protect_recent))]
-    for j, job in enumerate(jobs):
-        ins += [f"tab{j}_{i}" for i in range(len(job.tables))] if fill else []
-        inputs += list(job.tables) if fill else []
-    ins += [f"after{i}" for i in range(len(after))]
-    inputs += after
-    kinds = tuple(job.demand for job in jobs)
-    src = step_source(kinds, tuple(tensors), tier.record_bytes if fill else 0, tier.num_experts if fill else 0)
-    k = cuda_kernel("step", tuple(ins), tuple(outs), src, STEP_HEADER)
+    for job in jobs if fill else ():
+        inputs += job.tables
     out = k(
-        inputs=inputs,
+        inputs=inputs + after,
         output_shapes=shapes,
         output_dtypes=dtypes,
         grid=(FILL_THREADS if fill else WARP, 1, 1),
