@@ -182,11 +182,13 @@ def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recen
 # -- a layer's step as one CUDA kernel --------------------------------------------------------------
 # One launch a layer: the demand step of its map, the prefetch step of its target's map when a
 # prefetch rides along, and the fills of both. Each launch is host work (MLX's primitive, its
-# evaluation, its graph node) and the token is a chain of them: on the H200 a separate map kernel
-# and fill kernel for each step cost more than the reads (docs/gpu.md). A kernel cannot wait for
-# all of its blocks, so every block runs the map steps itself, in its first warp (a map is a few
-# hundred bytes, and the blocks run them at once), and keeps the fill lists in shared memory;
-# block 0 alone writes the new maps out. Then every thread copies its share of the records.
+# evaluation, its graph node), and on the H200 what the device install adds to a token is about
+# as much the host building the graph as the device evaluating it (docs/gpu.md, "One launch a
+# layer, measured"); a layer was two kernels and three small operations, nine with a prefetch.
+# A kernel cannot wait for all of its blocks, so every block runs the map steps itself, in its
+# first warp (a map is a few hundred bytes, and the blocks run them at once), and keeps the fill
+# lists in shared memory; block 0 alone writes the new maps out. Then every thread copies its
+# share of the records.
 #
 # A map step is a sequence (each miss takes the least recently used slot left after the misses
 # before it), so the entries are walked in order by every lane alike; what is parallel is each
