@@ -66,7 +66,8 @@ def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
     devicemap.map_step_kernel(state, mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32), S)  # the router's own
     for protect in (False, True):
         devicemap.prefetch_step_kernel(state, mx.array([3, -1, 40], mx.int32), S, protect)
-    tier, tabs, layer = Tier(2, E), tables(2, S), mx.array([1], mx.uint32)
+    tier = type("Tier", (), dict(base=mx.array([0], mx.uint64), record_bytes=RECORD, num_experts=E))()
+    tabs, layer = tables(2, S), mx.array([1], mx.uint32)
     inds = mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32)
     for after in ((), (mx.zeros((1, 1, 8, 128)),), (mx.zeros((2,)), mx.zeros((3,)))):
         jobs = [
@@ -90,6 +91,7 @@ def test_a_broken_kernel_is_caught():
     assert not compiles_alone("k", ["a"], [mx.zeros((2,), mx.int32)], ["o"], [mx.int32], "o[0] = b[0];")
 
 
+@cpu_only  # on a GPU the kernels themselves run (tests/test_devicemap.py)
 @pytest.mark.parametrize("E,S", [(16, 6), (64, 16), (128, 48)])  # 48: lanes of the warp own two slots
 def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
     """A layer's demand step with a prefetch into another layer riding along, and prefetches alone
@@ -178,6 +180,7 @@ def test_the_engine_on_the_emulated_kernels_gives_mlx_lms_logits(
     assert sum(r["misses"] for r in records) > 0
 
 
+@cpu_only
 def test_the_emulator_runs_a_warps_lanes_together(emulated):
     """32 lanes exchanging their values through shuffles each end with the sum of all 32: the
     emulator runs threads meeting at barriers, not the body once."""
