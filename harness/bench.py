@@ -587,11 +587,12 @@ def prefetch_bench(a):
     counts = ("hits", "misses", "issued", "useful", "wasted", "late")
     # A few tokens of the first prompt through every engine first: a kernel's first-use compilation
     # (on a GPU, a second or more) would otherwise fall on whichever configuration decodes first.
-    warm = tok.encode(rows[0]["text"]) if rows else []
-    warm_sets = trace.record(ref, warm, WARM_TOKENS)["experts"] if rows else None
-    for eng in engines.values() if rows else ():
-        eng.bind_oracle(warm_sets)
-        decode(eng.model, warm, WARM_TOKENS)
+    if rows:
+        warm = tok.encode(rows[0]["text"])
+        warm_sets = trace.record(ref, warm, WARM_TOKENS)["experts"]
+        for eng in engines.values():
+            eng.bind_oracle(warm_sets)
+            decode(eng.model, warm, WARM_TOKENS)
     per_prompt = {c: [] for c in configs}
     for i, p in enumerate(rows):
         ids = tok.encode(p["text"])

@@ -29,7 +29,7 @@ Two implementations of the map step and the fill, chosen per `DeviceCache(mode=.
   as a gather from the host tier and one scatter per tensor (padded entries rewrite a slot with its
   own bytes). Tests check the two give the same maps on a GPU and the ops against a NumPy model of
   the algorithm on the CPU, and the kernels on emulated CUDA threads against the ops on the CPU
-(tests/test_kernels.py).
+  (tests/test_kernels.py).
 
 A prefill whose rows route to more experts than S cannot be planned without knowing them: it reads
 the indices back once per layer (a prefill is one call per prompt) and computes in the expert
@@ -40,7 +40,7 @@ import contextlib
 import functools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import numpy as np
@@ -321,7 +321,8 @@ __device__ int titan_map_step(
 """
 WARP = 32
 FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
-STATE = ("slot_of", "expert_in", "stamp", "clock", "counters", "pending")
+STATE = tuple(f.name for f in fields(MapState))  # a job's map, in and out
+JOB_OUTPUTS = len(STATE) + 3  # the map, fill_e, fill_s, count; a demand job also its remapped indices
 
 
 @dataclass
@@ -381,7 +382,7 @@ def step_signature(kinds: tuple, tensors: tuple, record_bytes: int, experts: int
         i, o = job_names(j, demand, fill)
         ins += i
         outs += o
-        dtypes += [mx.int32] * 9 + ([mx.uint32] if demand else [])
+        dtypes += [mx.int32] * JOB_OUTPUTS + ([mx.uint32] if demand else [])
     for j in range(len(kinds) if fill else 0):
         ins += [f"tab{j}_{i}" for i in range(len(tensors))]
     ins += [f"after{i}" for i in range(n_after)]
@@ -419,10 +420,10 @@ def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream
     )
     res, at = [], 0
     for job in jobs:
-        n = 10 if job.demand else 9
-        o = out[at : at + n]
-        at += n
-        res.append((MapState(*o[:6]), Fill(o[9] if job.demand else NO_REMAP, o[6], o[7], o[8])))
+        o = out[at : at + JOB_OUTPUTS + job.demand]
+        at += len(o)
+        m = len(STATE)
+        res.append((MapState(*o[:m]), Fill(o[m + 3] if job.demand else NO_REMAP, o[m], o[m + 1], o[m + 2])))
     return res
 
 

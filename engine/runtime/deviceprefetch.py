@@ -1,6 +1,7 @@
 """Prefetching with the `device` install: each predictor's guess for layer l+d, made on the device
 from what the device already holds, and issued through the target layer's slot map and fill
-(`DeviceCache.prefetch`) on a stream of its own, so that no prediction reads anything back.
+(with the layer's own step on the decode stream, `DeviceCache.step`, or on a stream of its own,
+`DeviceCache.prefetch`), so that no prediction reads anything back.
 
 - oracle: the trace of the very run, uploaded once it is bound, as one evaluated row a token and
   layer (a token's graph then holds no operation of the oracle's);
@@ -48,7 +49,7 @@ class DevicePrefetch:
             t = position + offset
             if t >= len(p.sets):
                 return None
-            return self._rows(p.sets)[t][target]
+            return self.rows(p.sets)[t][target]
         if isinstance(p, P.Popularity):
             if target not in self._const:
                 ctx = P.Context(0, layer, target, offset, np.zeros(0, np.int64), None, [None] * self.L)
@@ -67,10 +68,11 @@ class DevicePrefetch:
             return top
         raise ValueError(f"predictor {p.name!r} has no device-side prediction")
 
-    def _rows(self, sets: np.ndarray) -> list:
+    def rows(self, sets: np.ndarray) -> list:
         """The bound trace's predictions on the device, uploaded once per binding and evaluated
         there as one row a token and layer: a token's prediction is then an array already made,
-        not an operation of its graph."""
+        not an operation of its graph (`Engine.bind_oracle` makes them, so that no decode token
+        waits for them)."""
         if self._bound[0] is not sets:  # held here, so never another array at the same address
             trace = device_indices(sets[:, :, : self.size], np.int32)
             rows = [[trace[t, layer] for layer in range(self.L)] for t in range(len(sets))]

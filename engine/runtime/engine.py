@@ -148,6 +148,8 @@ class Engine:
         """Give the oracle predictor the (T, L, K) expert sets of the run about to decode."""
         if isinstance(self.predictor, predictors.Oracle):
             self.predictor.bind(experts)
+            if self.install == "device" and self.cache.prefetcher is not None:
+                self.cache.prefetcher.rows(experts)  # uploaded now, not inside the first decode token
 
     def counters(self) -> dict:
         if self.install == "device":

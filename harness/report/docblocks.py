@@ -175,10 +175,10 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     if demand and ratio < ORACLE_TARGET:  # a missed target says where the time goes
         text += f"; a token {1e3 / tok:.2f} ms against demand loading's {1e3 / demand:.2f}"
         text += f" and resident's {1e3 / res:.2f}"
-        stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in (f"oracle/d{d}" + "/serial" * serial, "none/d0")]
+        keys = (f"oracle/d{d}" + "/serial" * serial, "none/d0", "resident/d0")
+        stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in keys[:2]]
         if stalls == [0, 0]:  # neither waits for a read: the difference is the prefetch's own work
             text += ", neither waiting for a read: the rest is the prefetch's own launches and predictions"
-        keys = (f"oracle/d{d}" + "/serial" * serial, "none/d0", "resident/d0")
         graph = [fig.get(f"graph_ms[{k}/device]") for k in keys]
         if None not in graph:  # of which the host, building the token's graph (the rest: its evaluation)
             text += f"; the host builds its graph in {graph[0]:.2f} ms against {graph[1]:.2f} and {graph[2]:.2f}"
