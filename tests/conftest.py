@@ -148,8 +148,11 @@ def fit_traces():
     return get
 
 
-def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace", overlap=None):
-    """Decode the reference's tokens with predictor `name` fitted on `fit`, prefetching at `depth`."""
+def run_with(
+    model_id, ref, name, depth, fit, eviction="lru", slots=None, install="inplace", overlap=None, pipelined=False
+):
+    """Decode the reference's tokens with predictor `name` fitted on `fit`, prefetching at `depth`
+    (in the decode loop's order `pipelined`, or one token at a time)."""
     spec = MODELS[model_id]
     pred = predictors.make(name, depth, spec["top_k"]).fit(fit)
     eng = load(
@@ -162,7 +165,7 @@ def run_with(model_id, ref, name, depth, fit, eviction="lru", slots=None, instal
             model, _, _ = load_reference(model_id)
             eng.bind_oracle(trace.record(model, ref["ids"], len(ref["tokens"]) - 1)["experts"])
         _, records, logits = decode(
-            eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True
+            eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True, pipelined=pipelined
         )
         return records, logits
     finally:

@@ -16,7 +16,7 @@ from engine import EngineConfig, device, load, max_abs_diff
 from engine.config import resolved_overlap
 from engine.models import registry
 from engine.models.registry import load_reference
-from engine.runtime import devicemap, hosttier, moe
+from engine.runtime import devicemap, hosttier, loop, moe
 from engine.runtime.devicemap import MapState, map_step_ops
 from engine.runtime.loop import decode
 
@@ -190,6 +190,41 @@ def test_device_prefetch_bit_identical(reference, fit_traces, name, depth, overl
     dec = records[1:]
     if name != "previous":  # `previous` predicts what is resident already
         assert sum(r["issued"] for r in dec) > 0
+
+
+def test_a_pipelined_decode_builds_the_next_token_before_reading_this_one(monkeypatch, reference, fit_traces):
+    """`decode(pipelined=True)` takes mlx-lm's `generate_step` order: token t+1's graph is built
+    and queued (the oracle prefetching on the decode stream with it) before token t is read back,
+    the only read-back of a token. Its logits stay mlx-lm's and each step's counters are those of
+    the one-token-at-a-time loop; a greedy decode feeding the device's own token gives its tokens."""
+    ref, fit = reference("qwen3moe-tiny"), fit_traces("qwen3moe-tiny")
+    events = []
+    real_read, real_begin = loop.read_token, devicemap.DeviceCache.begin_step
+    monkeypatch.setattr(loop, "read_token", lambda y: events.append("read") or real_read(y))
+    monkeypatch.setattr(
+        devicemap.DeviceCache, "begin_step", lambda c, p, r: events.append("build") or real_begin(c, p, r)
+    )
+    runs = {}
+    for pipelined in (False, True):
+        events[:] = []
+        runs[pipelined] = run_with("qwen3moe-tiny", ref, "oracle", 2, fit, install="device", pipelined=pipelined)
+        n, seen = len(ref["tokens"]), events[events.index("build") :]  # (the oracle's trace is read first)
+        if pipelined:
+            assert seen == ["build"] + ["build", "read"] * (n - 1) + ["read"]
+        else:
+            assert seen == ["build", "read"] * n
+        assert max_abs_diff(ref["logits"], runs[pipelined][1]) == 0.0
+    figures = ("hits", "misses", "issued", "useful", "wasted")
+    counted = {p: [tuple(r[k] for k in figures) for r in recs] for p, (recs, _) in runs.items()}
+    assert counted[True] == counted[False]
+    assert sum(c[2] for c in counted[True]) > 0  # the oracle did prefetch
+    assert all("queue_s" in r for r in runs[True][0]) and not any("queue_s" in r for r in runs[False][0])
+    eng = load("qwen3moe-tiny", EngineConfig(slots=8, install="device"))
+    try:
+        want = decode(eng.model, ref["ids"], 6)[0]
+        assert decode(eng.model, ref["ids"], 6, pipelined=True)[0] == want == ref["tokens"][:7]
+    finally:
+        eng.close()
 
 
 def test_the_device_install_prefetches_on_the_decode_stream_unless_asked():

@@ -756,7 +756,8 @@ def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys, mo
     """bench prefetch with the device install and `--overlap` left to the engine (auto): the
     oracle's row is the decode stream's (`/serial`, overlap false), the engine's default there; asked
     for both, each stream has its row, and demand loading and resident decoding keep theirs. Each
-    engine decodes a few warm-up tokens before its measured decodes."""
+    engine decodes a few warm-up tokens before its measured decodes, every decode pipelined as
+    mlx-lm's generate_step decodes (the record says so)."""
     import argparse
 
     from harness import bench
@@ -768,13 +769,16 @@ def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys, mo
     decoded = []
     real_decode = bench.decode
     monkeypatch.setattr(
-        bench, "decode", lambda m, ids, n, *x, **kw: decoded.append((m, n)) or real_decode(m, ids, n, *x, **kw)
+        bench, "decode", lambda m, ids, n, *x, **kw: decoded.append((m, n, kw)) or real_decode(m, ids, n, *x, **kw)
     )
-    rows = bench.prefetch_bench(a)["results"]
+    out = bench.prefetch_bench(a)
+    rows = out["results"]
+    assert out["loop"] == "pipelined" and all(kw == {"pipelined": True} for *_, kw in decoded)
+    assert set(rows["oracle/d1/serial"]["call_split_ms"]) == {"graph", "queue", "eval"}
     assert set(rows) == {"resident/d0", "none/d0", "oracle/d1/serial"}
     # every engine first decodes a few warm-up tokens (first-use compilation), then the measured ones
-    warm = [m for m, n in decoded[:3] if n == bench.WARM_TOKENS]
-    assert len({id(m) for m in warm}) == 3 and [n for _, n in decoded[3:]] == [a.tokens] * 3
+    warm = [m for m, n, _ in decoded[:3] if n == bench.WARM_TOKENS]
+    assert len({id(m) for m in warm}) == 3 and [n for _, n, _ in decoded[3:]] == [a.tokens] * 3
     assert rows["oracle/d1/serial"]["overlap"] is False and rows["oracle/d1/serial"]["install"] == "device"
     a.overlap = "both"
     rows = bench.prefetch_bench(a)["results"]

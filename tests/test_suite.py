@@ -247,6 +247,14 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     }
     text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph}.items()]))
     assert "resident's 5.00; the host builds its graph in 4.00 ms against 3.00 and 2.00" in text
+    # a pipelined run: the host builds a token while the device runs the last, and then waits for it
+    piped = {k.replace("graph_ms", "eval_ms"): v + 1 for k, v in graph.items()}
+    piped.update({k.replace("graph_ms", "pipelined"): 1.0 for k in graph})
+    text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph, **piped}.items()]))
+    assert (
+        "resident's 5.00; decoding pipelined, the host builds a token's graph in 4.00 ms against 3.00 and 2.00, "
+        "and waits for its token 5.00 ms against 4.00 and 3.00"
+    ) in text
     # a default faster than both says nothing of the kind
     quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))

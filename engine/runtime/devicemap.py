@@ -457,7 +457,8 @@ def fill_ops(tier: HostTier, layer: int, buffers, tensors, fill: Fill):
 # -- the cache --------------------------------------------------------------------------------------
 class DeviceStats(StepStats):
     """A step's figures for the decode loop: the device counters' change since the loop last asked,
-    read once a step, after its evaluation (so the read waits for nothing)."""
+    captured as an array with the step's graph and read once the step has run (so the read waits
+    for nothing, and a pipelined decode's next token is not waited for)."""
 
     def __init__(self, cache=None):
         super().__init__()
@@ -466,13 +467,26 @@ class DeviceStats(StepStats):
     def reset(self):
         self.__init__(self._cache)
 
-    def as_dict(self) -> dict:
-        out = super().as_dict()
+    def capture(self) -> dict:
+        out = super().capture()
         if self._cache is not None:
-            now = self._cache.totals()
+            out["counters"] = self._cache.counter_rows()
+        return out
+
+    def pending(self, captured: dict) -> list:
+        return [captured["counters"]] if "counters" in captured else []
+
+    def figures(self, captured: dict) -> dict:
+        out = dict(captured)
+        rows = out.pop("counters", None)
+        if rows is not None:
+            now = self._cache.totals(rows)
             out.update({k: now[k] - self._cache.last_seen[k] for k in STEP_FIGURES})
             self._cache.last_seen = now
         return out
+
+    def as_dict(self) -> dict:
+        return self.figures(self.capture())
 
 
 _streams = threading.local()
@@ -609,11 +623,16 @@ class DeviceCache:
     def begin_step(self, position: int, rows: int):
         self.position, self.rows = position, rows
 
-    def totals(self) -> dict:
+    def counter_rows(self) -> mx.array:
+        """Every layer's counters as they will stand once what is queued has run, (L, counters)."""
+        return mx.stack([s.counters for s in self.states])
+
+    def totals(self, rows: mx.array | None = None) -> dict:
         """Every counter over every layer, the bytes read (demand and prefetch) and the evictions,
-        from the device counters (a read back: ask after a token's evaluation, not inside it).
-        A slot is never emptied once filled, so each layer's fills past its first S evicted one."""
-        per_layer = np.array(mx.stack([s.counters for s in self.states])).astype(np.int64)
+        from the device counters (`rows`, `counter_rows()` by default: a read back, so ask after a
+        token's evaluation, not inside it). A slot is never emptied once filled, so each layer's
+        fills past its first S evicted one."""
+        per_layer = np.array(self.counter_rows() if rows is None else rows).astype(np.int64)
         out = dict(zip(COUNTERS, (int(c) for c in per_layer.sum(axis=0))))
         out["bytes_read"] = (out["misses"] + out["issued"]) * self.store.expert_bytes
         fills = per_layer[:, COUNTERS.index("misses")] + per_layer[:, COUNTERS.index("issued")]

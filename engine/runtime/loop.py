@@ -65,13 +65,24 @@ def expert_cache(model):
     return layers[0]._cache if layers else None
 
 
-def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, eos_id=None):
+def read_token(y: mx.array) -> int:
+    """A decode's one read-back a token: its greedy choice."""
+    return int(y.item())
+
+
+def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, eos_id=None, pipelined=False):
     """Greedy decoding: one prefill over the prompt, then `max_tokens` single-token steps.
 
     Works on an engine model and on plain mlx-lm alike. With `forced`, those tokens are fed
     instead of the model's own choices (teacher forcing, to compare two models step by step).
     Returns the generated tokens, one record per step (index 0 is the prefill) and, with
     `keep_logits`, the float32 logits of every step.
+
+    `pipelined`: as mlx-lm's `generate_step` decodes, the next token's graph is built and queued
+    (`mx.async_eval`) before this token is read back, so the host builds while the device
+    computes; a step's `seconds` then run from one token's read-back to the next. Otherwise each
+    step is built, then evaluated (`graph_s` and `eval_s` add up to the step: the device's time
+    the host does not hide, and the host's the device does not).
     """
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
@@ -82,9 +93,12 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
     memory = MemoryWatch()
     stats = experts.stats if experts is not None else StepStats()
     records, logits_out, tokens = [], [], []
-    inp = device_indices(np.asarray(prompt_ids))[None]
     position = 0
-    for step in range(max_tokens + 1):
+
+    def call(inp):
+        """Build one step's graph and hand it to the device (queued, or evaluated when not
+        pipelined): its greedy token, logits, figures and host times."""
+        nonlocal position
         if experts is not None:
             experts.begin_step(position, inp.shape[1])
         position += inp.shape[1]
@@ -92,26 +106,54 @@ def decode(model, prompt_ids, max_tokens: int, forced=None, keep_logits=False, e
         logits = model(inp, cache=cache)
         y = mx.argmax(logits[:, -1, :], axis=-1)
         t1 = time.perf_counter()
-        mx.eval(y, logits)
+        kept = logits.astype(mx.float32) if keep_logits else None
+        figures = stats.capture()  # what the host counted, and the device's counters as arrays
+        queued = [a for a in (y, kept, *stats.pending(figures)) if a is not None]
+        (mx.async_eval if pipelined else mx.eval)(queued)
         t2 = time.perf_counter()
-        dt = t2 - t0
-        rec = dict(step=step, phase="prefill" if step == 0 else "decode", rows=inp.shape[1], seconds=dt)
-        # the model call (building the step's graph, and whatever synchronisation happens inside
-        # it) and the wait for the step's evaluation after it
-        rec.update(graph_s=t1 - t0, eval_s=t2 - t1)
-        rec.update(stats.as_dict())
+        times = dict(graph_s=t1 - t0, queue_s=t2 - t1) if pipelined else dict(graph_s=t1 - t0, eval_s=t2 - t1)
+        return dict(rows=inp.shape[1], y=y, kept=kept, figures=figures, times=times, start=t0)
+
+    def next_input(step, y, tok):
+        if forced is not None:
+            return device_indices([[int(forced[step])]])
+        if not pipelined:
+            return device_indices([[tok]])
+        # the device's token, never read back first; a view of a 16-byte block, so that its buffer
+        # is not in MLX's CUDA small pool (slots.device_indices says why)
+        return mx.pad(y, (0, 3))[:1][None]
+
+    cur = call(device_indices(np.asarray(prompt_ids))[None])
+    last = cur["start"]
+    for step in range(max_tokens + 1):
+        nxt = None
+        if pipelined and step < max_tokens:
+            nxt = call(next_input(step, cur["y"], None))
+        t3 = time.perf_counter()
+        tok = read_token(cur["y"])  # pipelined: the wait for this token while the next one runs
+        t4 = time.perf_counter()
+        if pipelined:
+            cur["times"]["eval_s"] = t4 - t3
+            seconds, last = t4 - last, t4
+        else:
+            seconds = sum(cur["times"].values())
+        rec = dict(step=step, phase="prefill" if step == 0 else "decode", rows=cur["rows"], seconds=seconds)
+        rec.update(cur["times"])
+        rec.update(stats.figures(cur["figures"]))
         rec.update(memory.peaks())
         records.append(rec)
         if keep_logits:
-            logits_out.append(np.array(logits.astype(mx.float32))[0])
-        tok = int(y.item()) if forced is None else int(forced[step])
+            logits_out.append(np.array(cur["kept"])[0])
+        if forced is not None:
+            tok = int(forced[step])
         tokens.append(tok)
-        if eos_id is not None and tok == eos_id:
+        if (eos_id is not None and tok == eos_id) or step == max_tokens:
             break
-        inp = device_indices([[tok]])
+        cur = nxt if pipelined else call(next_input(step, cur["y"], tok))
     return tokens, records, logits_out
 
 
+CALLS = ("graph_s", "queue_s", "eval_s")  # a step seen from the host (decode)
 COUNTS = ("hits", "misses", "issued", "useful", "wasted", "late", "cancelled")
 SECONDS = ("stall_s", "pread_s", "array_s", "install_s", "late_stall_s", "sync_s", "predict_s")
 
@@ -120,7 +162,7 @@ def totals(records) -> dict:
     """The decode steps' records (not the prefill's) added up: tokens, seconds, every counter."""
     dec = [r for r in records if r["phase"] == "decode"]
     out = dict(tokens=len(dec), seconds=sum(r["seconds"] for r in dec))
-    for k in COUNTS + SECONDS + ("bytes_read", "chunks", "graph_s", "eval_s"):
+    for k in COUNTS + SECONDS + ("bytes_read", "chunks") + CALLS:
         out[k] = sum(r.get(k, 0) for r in dec)
     for k in PEAKS:  # the prefill's too: a peak is of the whole decode
         vals = [r[k] for r in records if r.get(k) is not None]
@@ -181,12 +223,15 @@ def time_split(records) -> dict:
 
 def call_split(records) -> dict:
     """A decode token seen from the host, in ms: in the model call (`graph`: building the token's
-    graph, and any synchronisation inside it) and waiting for its evaluation after it (`eval`).
-    With no synchronisation inside the call, `eval` is the device's time the host did not hide."""
+    graph, and any synchronisation inside it), handing it to the device (`queue`, a pipelined
+    decode's `mx.async_eval`) and waiting for it (`eval`: the step's evaluation, or a pipelined
+    decode's wait for the token while the next one runs). With no synchronisation inside the call,
+    `eval` is the device's time the host did not hide."""
     t = totals(records)
     if not t["tokens"]:
         return {}
-    return {"graph": 1e3 * t["graph_s"] / t["tokens"], "eval": 1e3 * t["eval_s"] / t["tokens"]}
+    queued = any("queue_s" in r for r in records if r["phase"] == "decode")
+    return {k[:-2]: 1e3 * t[k] / t["tokens"] for k in CALLS if k != "queue_s" or queued}
 
 
 def max_abs_diff(a, b) -> float:

@@ -50,6 +50,17 @@ class StepStats:
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def capture(self) -> dict:
+        """The step's figures once its graph is built: what the host counted, and what the device
+        counts as arrays still to evaluate (`pending`), read by `figures` after the step ran."""
+        return StepStats.as_dict(self)
+
+    def pending(self, captured: dict) -> list:
+        return []
+
+    def figures(self, captured: dict) -> dict:
+        return captured
+
 
 # `batched`: a layer's misses are read together (in the decode thread when they are small, on the
 # reader threads otherwise: installs.Install.read) and installed lazily (Algorithm 1);

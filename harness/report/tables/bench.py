@@ -83,8 +83,10 @@ def bench_table(recs):
                 figs[f"stall_ms_per_token[{k}]"] = v["stall_ms_per_token"]
                 if "tok_s_min" in v:
                     figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
-                if "call_split_ms" in v:  # the host building a token's graph, in ms
+                if "call_split_ms" in v:  # the host building a token's graph, and waiting for it, in ms
                     figs[f"graph_ms[{k}]"] = v["call_split_ms"]["graph"]
+                    figs[f"eval_ms[{k}]"] = v["call_split_ms"]["eval"]
+                    figs[f"pipelined[{k}]"] = float(res.get("loop") == "pipelined")
         elif base["bench"] == "serve":
             base["slots"] = res["slots"]
             for k, v in res["servers"].items():
