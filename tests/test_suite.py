@@ -115,6 +115,34 @@ def _record(raw, tree, device="gpu", failed=0):
     return rawlog.write_run("tests", "suite", [res], config={}, seed=None, started="2026-12-02T00:00:00.000Z", root=raw)
 
 
+def test_tests_not_run_after_a_device_fault_are_told_from_failures(tmp_path):
+    """A device fault poisons its pytest process (conftest's DeviceWatch): the tests after it there
+    are reported not run, naming the test after which the device faulted. The suite table keeps
+    them apart, and the README's sentence names the fault, counts them, and lists only real failures."""
+    from harness.report.tables.suite import suite_table
+
+    fault = "tests/test_p.py::test_y[previous]"
+    seen = "RuntimeError: cudaStreamSynchronize(stream_) failed: an illegal memory access was encountered"
+    teardown = f'error: failed on teardown with "Failed: the device reported an error after this test: {seen}'
+    setup = f'error: failed on setup with "Failed: not run: the device faulted after {fault} ({seen}'
+    failures = [
+        dict(test=fault, message=f"RuntimeError: {seen}"),
+        dict(test=fault, message=teardown),
+        dict(test="tests/test_a.py::test_b", message=setup),
+        dict(test="tests/test_c.py::test_d", message="AssertionError: assert 1.0 == 0.0"),
+    ]
+    res = dict(passed=10, failed=2, errors=2, skipped=0, xfailed=0, tests=14, seconds=1.0, shards=2, skips=[])
+    res.update(failures=failures, engine_tree="a" * 40, engine_tree_committed=None, exit_codes=[1, 1])
+    rawlog.write_run("tests", "suite", [res], config={}, seed=None, started="2026-12-02T00:00:00.000Z", root=tmp_path)
+    row = suite_table(records.read([tmp_path / "tests" / "suite"])).iloc[-1]
+    assert row["faulted_after"] == fault and row["not_run"] == "tests/test_a.py::test_b"
+    said = docblocks.gpu_exactness(pd.DataFrame([row.to_dict() | {"device": "gpu"}]))
+    assert said.endswith(
+        "10 passed, 4 failed, 0 skipped. Failed: `test_d`. The device faulted in `test_y[previous]`, and its "
+        "process ran none of the one test after it ([docs/gpu.md](docs/gpu.md#the-test-suite-on-a-gpu))."
+    )
+
+
 def test_ci_says_whether_the_landed_tree_has_a_passing_gpu_record(tmp_path, monkeypatch):
     tree = suite.tree_hash(ROOT / "engine")
     monkeypatch.setattr(suite, "committed_tree", lambda *a: tree)
@@ -146,6 +174,16 @@ def test_a_pages_generated_block_is_rewritten_and_nothing_else(tmp_path):
     said = "commit `def`, 14 test files, [record](results/raw/tests/suite/r1.jsonl)): 400 passed, 1 failed, 3 skipped."
     assert said + " Failed: `test_x[8]`." in text and text.endswith("-->\nmore\n")
     assert docblocks.build({"suite": suite_df}, tmp_path) == []  # the same records: the same bytes
+    # a device fault: the tests its process did not run after it are said as such, not as failures
+    fault = "tests/test_p.py::test_y[previous]"
+    cut = ["tests/test_a.py::test_b", "tests/test_c.py::test_d"]
+    faulted = suite_df.assign(failed=1, errors=3, failures="; ".join([fault, fault, *cut]), faulted_after=fault,
+                              not_run="; ".join(cut))  # fmt: skip
+    said = docblocks.gpu_exactness(faulted)
+    assert said.endswith(
+        "400 passed, 4 failed, 3 skipped. The device faulted in `test_y[previous]`, and its process ran none of "
+        "the 2 tests after it ([docs/gpu.md](docs/gpu.md#the-test-suite-on-a-gpu))."
+    )
     none = docblocks.gpu_exactness(suite_df.iloc[:0])
     assert none.startswith("No run of the test suite on a CUDA GPU is recorded yet")
     page.write_text("<!-- generated:gpu-exactness -->\nunclosed\n")

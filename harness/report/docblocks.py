@@ -65,11 +65,18 @@ def gpu_exactness(suite: pd.DataFrame) -> str:
         f"`{r['commit']}`, {r['scope']}, [record](results/raw/tests/suite/{r['run_id']}.jsonl)): {r['passed']} passed, "
         f"{verdict}, {r['skipped']} skipped."
     )
-    if r["failures"]:
-        names = r["failures"].split("; ")
+    faults = [n for n in str(r.get("faulted_after") or "").split("; ") if n]
+    not_run = [n for n in str(r.get("not_run") or "").split("; ") if n]
+    names = list(dict.fromkeys(n for n in str(r["failures"] or "").split("; ") if n and n not in not_run + faults))
+    if names:
         text += " Failed: " + ", ".join(f"`{n.split('::')[-1]}`" for n in names[:3])
         more = f" and {len(names) - 3} more ([docs/gpu.md](docs/gpu.md#the-test-suite-on-a-gpu))."
         text += more if len(names) > 3 else "."
+    if faults:  # one fault poisons its process: what came after it there was not run, not failed
+        text += " The device faulted in " + " and ".join(f"`{n.split('::')[-1]}`" for n in faults)
+        after = "the one test" if len(not_run) == 1 else f"the {len(not_run)} tests"
+        text += f", and its process ran none of {after} after it"
+        text += " ([docs/gpu.md](docs/gpu.md#the-test-suite-on-a-gpu))."
     return text
 
 

@@ -1,15 +1,20 @@
 """The test suite's recorded runs (`python -m harness suite`) and mlx-lm's own determinism."""
 
+import re
+
 import pandas as pd
 
 from .common import MACHINE, latest, machine_cols
+
+# what tests/conftest.py's DeviceWatch says of a test its process did not run after a device fault
+NOT_RUN = re.compile(r"not run: the device faulted after (\S+)")
 
 
 def suite_table(recs):
     """Every recorded run of the test suite (python -m harness suite): where it ran, on which
     engine/ tree, and what it found."""
     cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "passed", "failed", "errors", "skipped", "xfailed"]
-    cols += ["seconds", "failures", "started_utc", "run_id"]
+    cols += ["seconds", "failures", "faulted_after", "not_run", "started_utc", "run_id"]
     rows = []
     for r in recs:
         res = r["result"]
@@ -22,6 +27,9 @@ def suite_table(recs):
                 dirty=r["dirty"],
                 **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
                 failures="; ".join(f["test"] for f in res["failures"]),
+                # a device fault poisons its process: the tests after it there are not run, not failed
+                faulted_after="; ".join(sorted({m[1] for f in res["failures"] if (m := NOT_RUN.search(f["message"]))})),
+                not_run="; ".join(f["test"] for f in res["failures"] if NOT_RUN.search(f["message"])),
                 started_utc=r["started_utc"],
                 run_id=r["run_id"],
             )

@@ -1,0 +1,87 @@
+"""Where the `device` install's extra host time a token goes on a CUDA GPU: the pipelined decode
+(the bench's loop) of the full-size model, resident and at S = 16, with the layer's step taken
+apart piece by piece. Each variant is a real decode; those marked `timing only` compute other
+logits (the slots they read are not the experts routed to) and exist to split the time:
+
+- resident: every expert in its slot (S = E), no step at all;
+- device: the install as it is (one step kernel a layer: map step and fill);
+- map only: the step kernel without its fill (no table or host tier among its inputs);
+- no launch: the step replaced by one MLX operation (the router's indices modulo S), so what is
+  left is the engine's Python around it;
+- no step: the layer's SwitchGLU called on those indices directly, the engine's wrapper bypassed.
+
+The differences (device - map only, map only - no launch, no launch - no step, no step -
+resident) are the fill's inputs, the launch itself, the engine's Python, and what the wrapper's
+call costs. Rounds interleave the variants; medians over rounds of the host's ms per token
+(building the graph, queueing it, waiting for the token). Prints a table; no record (a probe).
+
+    python scripts/probe_layer_cost.py [MODEL] [TOKENS] [ROUNDS]
+"""
+
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a copy of the tree, not installed
+from engine import EngineConfig, device, load  # noqa: E402
+from engine.runtime import devicemap  # noqa: E402
+from engine.runtime.loop import call_split, decode, totals  # noqa: E402
+
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "olmoe-1b-7b-shape"
+TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
+S = 16
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    real = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, real)
+
+
+def map_only(jobs, tier=None, tensors=(), after=(), stream=None, real=devicemap.step_kernel):
+    return real(jobs, None, (), after, stream)
+
+
+def no_launch(self, layer, inds, ahead=None):
+    return inds % self.slots[layer]
+
+
+def no_step(self, x, indices):
+    return self.glu(x, indices % self._cache.slots[self._layer])
+
+
+VARIANTS = {
+    "resident": (None, contextlib.nullcontext),
+    "device": (S, contextlib.nullcontext),
+    "map only": (S, lambda: patched(devicemap, "step_kernel", map_only)),
+    "no launch": (S, lambda: patched(devicemap.DeviceCache, "step", no_launch)),
+    "no step": (S, lambda: patched(devicemap.DeviceSwitchGLU, "__call__", no_step)),
+}
+
+if device.kind() != "gpu":
+    raise SystemExit("probe_layer_cost: needs MLX's CUDA backend (a GPU)")
+engines = {k: load(MODEL, EngineConfig(slots=s, install="device" if s else "auto")) for k, (s, _) in VARIANTS.items()}
+ids = engines["resident"].tokenizer.encode("The history of the printing press begins")
+per = {k: [] for k in VARIANTS}
+for r in range(ROUNDS + 1):  # the first round warms up (kernel compilation) and is dropped
+    for k, (_, ctx) in VARIANTS.items():
+        with ctx():
+            _, recs, _ = decode(engines[k].model, ids, TOKENS, pipelined=True)
+        if r:
+            per[k].append(dict(call_split(recs), total=1e3 * totals(recs)["seconds"] / totals(recs)["tokens"]))
+for eng in engines.values():
+    eng.close()
+mx.synchronize()
+print(f"{MODEL}, S = {S}, {TOKENS} tokens pipelined, median of {ROUNDS} interleaved rounds (ms per token)")
+print(f"{'variant':12s} {'graph':>7s} {'queue':>7s} {'eval':>7s} {'total':>7s}  tok/s")
+for k, runs in per.items():
+    m = {f: statistics.median(x[f] for x in runs) for f in runs[0]}
+    print(f"{k:12s} {m['graph']:7.2f} {m['queue']:7.2f} {m['eval']:7.2f} {m['total']:7.2f}  {1e3 / m['total']:.1f}")
