@@ -112,7 +112,7 @@ def random_steps(rng, E, S, steps):
 
 
 def _same(state, ref):
-    got = [np.array(a) for a in state.arrays()]
+    got = [np.array(a) for a in state.fields()]
     for i in (0, 1, 2):
         assert np.array_equal(got[i], ref[i])
     assert int(got[3][0]) == ref[3] and np.array_equal(got[4], ref[4]) and np.array_equal(got[5] > 0, ref[5])
@@ -430,11 +430,11 @@ def test_the_map_kernel_gives_the_operations_maps(E, S):
         protect = i % 2 == 1
         a, pa = devicemap.prefetch_step_ops(a, pred, S, protect_recent=protect)
         b, pb = devicemap.prefetch_step_kernel(b, pred, S, protect_recent=protect)
-        for x, y in zip(a.arrays() + [pa.experts, pa.slots, pa.count], b.arrays() + [pb.experts, pb.slots, pb.count]):
+        for x, y in zip(a.fields() + [pa.experts, pa.slots, pa.count], b.fields() + [pb.experts, pb.slots, pb.count]):
             assert np.array_equal(np.array(x), np.array(y))
         for x, y in zip(
-            a.arrays() + [fa.remapped, fa.experts, fa.slots, fa.count],
-            b.arrays() + [fb.remapped, fb.experts, fb.slots, fb.count],
+            a.fields() + [fa.remapped, fa.experts, fa.slots, fa.count],
+            b.fields() + [fb.remapped, fb.experts, fb.slots, fb.count],
         ):
             assert np.array_equal(np.array(x), np.array(y))
 

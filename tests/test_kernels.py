@@ -72,10 +72,12 @@ def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
     for after in ((), (mx.zeros((1, 1, 8, 128)),), (mx.zeros((2,)), mx.zeros((3,)))):
         jobs = [
             Job(state, inds, S, layer=layer, tables=tabs[0]),
-            Job(state, inds[0, 0, :4], 12, False, False, layer, tabs[1]),
+            Job(MapState.empty(E, 12), inds[0, 0, :4], 12, False, False, layer, tabs[1]),
         ]
         devicemap.step_kernel(jobs, tier, TENSORS, after)
     devicemap.step_kernel([Job(state, inds[0, 0], S, False, True, layer, tabs[1])], tier, TENSORS)
+    with pytest.raises(ValueError, match="a job of 12 slots on a map of 16 of 64 experts"):
+        devicemap.step_kernel([Job(state, inds, 12)])  # a map's block is laid out for its own S
     staging.copy_kernel(TENSORS, RECORD)(
         inputs=[mx.array([0], mx.uint64), mx.array(np.arange(8, dtype=np.uint8))],
         output_shapes=[(8, *t.shape) for t in TENSORS] + [(1,)],
@@ -84,6 +86,17 @@ def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
         threadgroup=(256, 1, 1),
     )
     assert len(emu.sources) >= 8  # map (2 index types), prefetch (2), step (3 orderings, 1 alone), stage
+
+
+def test_a_job_costs_the_launch_its_map_as_one_array_in_and_out():
+    """Each array of a launch is host work on the GPU (an output about 2 µs): a job hands the step
+    kernel its indices, its map's block and its layer, and takes back its map's block (the fill
+    list in it) and, for a demand step, the remapped indices; the tables and ordering inputs follow."""
+    ins, outs, _, dtypes = devicemap.step_signature((True, False), tuple(TENSORS), RECORD, 64, (16, 16), 2)
+    assert outs == ("state_o0", "remapped0", "state_o1") and dtypes == [mx.int32, mx.uint32, mx.int32]
+    head = [n for n in ins if not n.startswith(("tab", "after"))]
+    assert head == ["base", "inds0", "state0", "layer0", "inds1", "state1", "layer1"]
+    assert len(ins) == len(head) + 2 * len(TENSORS) + 2
 
 
 def test_a_broken_kernel_is_caught():
@@ -136,7 +149,7 @@ def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
             pairs = [(ops[layer], kern[layer], fa, fb), (ops[target], kern[target], pa, pb)]
         for a, b, fa, fb in pairs:
             for x, y in zip(
-                a.arrays() + [fa.experts, fa.slots, fa.count], b.arrays() + [fb.experts, fb.slots, fb.count]
+                a.fields() + [fa.experts, fa.slots, fa.count], b.fields() + [fb.experts, fb.slots, fb.count]
             ):
                 assert np.array_equal(np.array(x), np.array(y)), i
         for ta, tb in zip(tabs_a, tabs_b):

@@ -7,7 +7,7 @@ the device reached 0.92 of it). Here the host never looks:
 
 - every expert sits in the *host tier* (engine.runtime.hosttier): mapped pinned host memory;
 - each layer keeps its *slot map* on the device: expert -> slot, slot -> expert, a last-use stamp
-  per slot, a step clock and counters (`MapState`, int32 arrays);
+  per slot, a step clock and counters (`MapState`, one int32 array);
 - a *map step* takes the router's indices as they are on the device (static shape, rows x top-k),
   keeps hits in their slots, gives each miss the least recently used slot this step does not use,
   and returns the indices remapped to slots and the list of (expert, slot) to fill;
@@ -40,7 +40,7 @@ import contextlib
 import functools
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -61,43 +61,124 @@ MODES = ("kernel", "ops")
 STEP_FIGURES = ("hits", "misses", "bytes_read", "issued", "useful", "wasted")
 
 
-@dataclass
 class MapState:
-    """One layer's slot map, as device arrays (int32)."""
+    """One layer's slot map on the device, as one int32 array (`block`), so that a step kernel reads
+    and writes it as one input and one output: on the H200 each of a kernel's arrays is host work
+    at every launch, an output about 2 µs (scripts/probe_launch_cost.py). In order:
 
-    slot_of: mx.array  # (E,) the slot of each expert, -1 if not resident
-    expert_in: mx.array  # (S,) the expert in each slot, -1 if empty
-    stamp: mx.array  # (S,) the step each slot was last used at, -1 if never
-    clock: mx.array  # (1,) this layer's demand step count
-    counters: mx.array  # (len(COUNTERS),)
-    pending: mx.array  # (S,) 1 where a prefetch filled the slot and no demand step has looked yet
+    - slot_of (E,): the slot of each expert, -1 if not resident;
+    - expert_in (S,): the expert in each slot, -1 if empty;
+    - stamp (S,): the step each slot was last used at, -1 if never;
+    - pending (S,): 1 where a prefetch filled the slot and no demand step has looked yet;
+    - clock (1,): this layer's demand step count;
+    - counters (len(COUNTERS),);
+    - the last kernel step's fill list: experts (S,), slots (S,), count (1,) (unused by the
+      operations, which keep theirs apart; never read by a step).
+
+    Each field is a view of the block, made when first asked for."""
+
+    FIELDS = ("slot_of", "expert_in", "stamp", "clock", "counters", "pending")
+
+    def __init__(self, block: mx.array, experts: int, slots: int):
+        self.block, self.E, self.S = block, experts, slots
+
+    @staticmethod
+    @functools.cache
+    def layout(experts: int, slots: int) -> dict:
+        """Each part's (start, length) in the block, in the block's order."""
+        sizes = dict(slot_of=experts, expert_in=slots, stamp=slots, pending=slots, clock=1)
+        sizes.update(counters=len(COUNTERS), fill_e=slots, fill_s=slots, count=1)
+        starts = np.cumsum([0, *sizes.values()])
+        return {n: (int(a), n_) for (n, n_), a in zip(sizes.items(), starts)}
+
+    @staticmethod
+    def size(experts: int, slots: int) -> int:
+        return sum(MapState.layout(experts, slots)["count"])
+
+    def part(self, name: str, length: int | None = None) -> mx.array:
+        at, n = self.layout(self.E, self.S)[name]
+        return self.block[at : at + (n if length is None else length)]
+
+    @functools.cached_property
+    def slot_of(self):
+        return self.part("slot_of")
+
+    @functools.cached_property
+    def expert_in(self):
+        return self.part("expert_in")
+
+    @functools.cached_property
+    def stamp(self):
+        return self.part("stamp")
+
+    @functools.cached_property
+    def clock(self):
+        return self.part("clock")
+
+    @functools.cached_property
+    def counters(self):
+        return self.part("counters")
+
+    @functools.cached_property
+    def pending(self):
+        return self.part("pending")
+
+    @classmethod
+    def of(cls, slot_of, expert_in, stamp, clock, counters, pending):
+        """A map from its fields (the operations' way: one concatenation)."""
+        E, S = slot_of.shape[0], expert_in.shape[0]
+        parts = [slot_of, expert_in, stamp, pending, clock, counters, mx.zeros((2 * S + 1,), mx.int32)]
+        return cls(mx.concatenate([p.astype(mx.int32) for p in parts]), E, S)
 
     @classmethod
     def empty(cls, experts: int, slots: int):
-        s = cls(
-            mx.full((experts,), -1, mx.int32),
-            mx.full((slots,), -1, mx.int32),
-            mx.full((slots,), -1, mx.int32),
-            mx.zeros((1,), mx.int32),
-            mx.zeros((len(COUNTERS),), mx.int32),
-            mx.zeros((slots,), mx.int32),
-        )
-        mx.eval(s.arrays())
+        E, S = experts, slots
+        s = cls.of(
+            mx.full((E,), -1, mx.int32), mx.full((S,), -1, mx.int32), mx.full((S,), -1, mx.int32),
+            mx.zeros((1,), mx.int32), mx.zeros((len(COUNTERS),), mx.int32), mx.zeros((S,), mx.int32),
+        )  # fmt: skip
+        mx.eval(s.block)
         return s
 
+    def without_counts(self) -> "MapState":
+        """The same map with its counters at zero."""
+        return MapState.of(*(mx.zeros_like(f) if n == "counters" else f for n, f in zip(self.FIELDS, self.fields())))
+
     def arrays(self) -> list:
-        return [self.slot_of, self.expert_in, self.stamp, self.clock, self.counters, self.pending]
+        """What there is to evaluate or read: the block."""
+        return [self.block]
+
+    def fields(self) -> list:
+        return [getattr(self, n) for n in self.FIELDS]
 
 
-@dataclass
 class Fill:
     """A map step's result: the router's indices remapped to slots, and the (expert, slot) pairs
-    to fill (the first `count` are real; the rest point at a slot that keeps its bytes)."""
+    to fill (the first `count` are real; the rest point at a slot that keeps its bytes). A step
+    kernel's fill list lives in its map's block (`packed`: that MapState and the list's length),
+    viewed when asked for."""
 
-    remapped: mx.array  # (N,) uint32
-    experts: mx.array  # (M,) int32, M = min(N, S)
-    slots: mx.array  # (M,) int32
-    count: mx.array  # (1,) int32
+    def __init__(self, remapped, experts=None, slots=None, count=None, packed=None):
+        self.remapped = remapped  # (N,) uint32, or the router's shape from a kernel
+        self._lists, self._packed = (experts, slots, count), packed
+
+    def _part(self, i: int, name: str):
+        if self._packed is None:
+            return self._lists[i]
+        state, m = self._packed
+        return state.part(name, m if name != "count" else 1)
+
+    @functools.cached_property
+    def experts(self):  # (M,) int32, M = min(N, S)
+        return self._part(0, "fill_e")
+
+    @functools.cached_property
+    def slots(self):  # (M,) int32
+        return self._part(1, "fill_s")
+
+    @functools.cached_property
+    def count(self):  # (1,) int32
+        return self._part(2, "count")
 
 
 # -- the map step as MLX operations -----------------------------------------------------------------
@@ -157,7 +238,7 @@ def map_step_ops(state: MapState, inds: mx.array, slots: int) -> tuple:
     pend = state.pending > 0
     useful, wasted = (pend & t["used"]).sum(), (pend & ~t["used"]).sum()
     counters = state.counters + _count(t["uhit"].sum(), t["n"], None, useful, wasted)
-    new = MapState(t["slot_of"], t["expert_in"], t["stamp"], state.clock + 1, counters, mx.zeros_like(state.pending))
+    new = MapState.of(t["slot_of"], t["expert_in"], t["stamp"], state.clock + 1, counters, mx.zeros_like(state.pending))
     return new, Fill(remapped, t["fill_e"], t["fill_s"], t["n"].reshape(1))
 
 
@@ -175,7 +256,7 @@ def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recen
     wasted = ((state.pending > 0) & t["filled"]).sum()
     pending = mx.where(t["filled"], 1, state.pending).astype(mx.int32)
     counters = state.counters + _count(None, None, t["n"], None, wasted)
-    new = MapState(t["slot_of"], t["expert_in"], t["stamp"], state.clock, counters, pending)
+    new = MapState.of(t["slot_of"], t["expert_in"], t["stamp"], state.clock, counters, pending)
     return new, Fill(NO_REMAP, t["fill_e"], t["fill_s"], t["n"].reshape(1))
 
 
@@ -188,7 +269,8 @@ def prefetch_step_ops(state: MapState, inds: mx.array, slots: int, protect_recen
 # A kernel cannot wait for all of its blocks, so every block runs the map steps itself, in its
 # first warp (a map is a few hundred bytes, and the blocks run them at once), and keeps the fill
 # lists in shared memory; block 0 alone writes the new maps out. Then every thread copies its
-# share of the records.
+# share of the records. A job's map goes in and comes out as one array (MapState's block, the
+# fill list in it), so a job costs the launch two arrays, three with its remapped indices.
 #
 # A map step is a sequence (each miss takes the least recently used slot left after the misses
 # before it), so the entries are walked in order by every lane alike; what is parallel is each
@@ -321,8 +403,9 @@ __device__ int titan_map_step(
 """
 WARP = 32
 FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
-STATE = tuple(f.name for f in fields(MapState))  # a job's map, in and out
-JOB_OUTPUTS = len(STATE) + 3  # the map, fill_e, fill_s, count; a demand job also its remapped indices
+# The map step's pointers into a job's input block and output block, in titan_map_step's order.
+STATE_IN = ("slot_of", "expert_in", "stamp", "clock", "counters", "pending")
+STATE_OUT = STATE_IN + ("fill_e", "fill_s", "count")
 
 
 @dataclass
@@ -340,27 +423,38 @@ class Job:
 
 
 def job_names(j: int, demand: bool, fill: bool) -> tuple:
-    """Job j's inputs and outputs in a step kernel."""
-    ins = (f"inds{j}", *(f"{s}{j}" for s in STATE)) + ((f"layer{j}",) if fill else ())
-    outs = tuple(f"{s}_o{j}" for s in STATE) + (f"fill_e{j}", f"fill_s{j}", f"count{j}")
-    return ins, outs + ((f"remapped{j}",) if demand else ())
+    """Job j's inputs and outputs in a step kernel: its map's block in and out (MapState), and a
+    demand job's remapped indices."""
+    ins = (f"inds{j}", f"state{j}") + ((f"layer{j}",) if fill else ())
+    return ins, (f"state_o{j}",) + ((f"remapped{j}",) if demand else ())
+
+
+def _pointers(j: int, experts: int, slots: int) -> list:
+    """Job j's views of its blocks, as titan_map_step takes them."""
+    at = MapState.layout(experts, slots)
+    ins = [f"const int* {n}{j} = state{j} + {at[n][0]};" for n in STATE_IN]
+    return ins + [f"int* {n}_o{j} = state_o{j} + {at[n][0]};" for n in STATE_OUT]
+
+
+def state_args(j: int) -> str:
+    """Job j's map in and out, as titan_map_step's arguments."""
+    return ", ".join(f"{s}{j}" for s in STATE_IN) + ", " + ", ".join(f"{s}_o{j}" for s in STATE_IN)
 
 
 @functools.cache
-def step_source(kinds: tuple, tensors: tuple, record_bytes: int, experts: int) -> str:
-    """A step kernel's body: job j (`kinds[j]` True: a demand step) runs its map step (STEP_HEADER)
-    into shared fill lists, then, with `tensors`, every thread copies its share of each job's
-    filled records from the host tier at base[0] into the slots of tables `tab{j}_{i}` (inputs:
-    written through their pointers)."""
+def step_source(kinds: tuple, tensors: tuple, record_bytes: int, experts: int, slots: tuple) -> str:
+    """A step kernel's body: job j (`kinds[j]` True: a demand step, on a map of `slots[j]`) runs its
+    map step (STEP_HEADER) into shared fill lists, then, with `tensors`, every thread copies its
+    share of each job's filled records from the host tier at base[0] into the slots of tables
+    `tab{j}_{i}` (inputs: written through their pointers)."""
     lines = []
     for j, demand in enumerate(kinds):
-        state = ", ".join(f"{s}{j}" for s in STATE) + ", " + ", ".join(f"{s}_o{j}" for s in STATE)
-        lines += [
+        lines += _pointers(j, experts, slots[j]) + [
             f"__shared__ int fe{j}[S{j}], fs{j}[S{j}];",
             f"int N{j} = 1;",
             f"for (int d = 0; d < inds{j}_ndim; ++d) N{j} *= inds{j}_shape[d];",
-            f"const int n{j} = titan_map_step<E, S{j}, {str(demand).lower()}, P{j}>(inds{j}, N{j}, {state}, "
-            f"{f'remapped{j}' if demand else 'nullptr'}, fill_e{j}, fill_s{j}, count{j}, fe{j}, fs{j});",
+            f"const int n{j} = titan_map_step<E, S{j}, {str(demand).lower()}, P{j}>(inds{j}, N{j}, {state_args(j)}, "
+            f"{f'remapped{j}' if demand else 'nullptr'}, fill_e_o{j}, fill_s_o{j}, count_o{j}, fe{j}, fs{j});",
         ]
     if tensors:
         lines += ["const unsigned long long area = base[0];", *GRID_STRIDE]
@@ -372,41 +466,44 @@ def step_source(kinds: tuple, tensors: tuple, record_bytes: int, experts: int) -
 
 
 @functools.cache
-def step_signature(kinds: tuple, tensors: tuple, record_bytes: int, experts: int, n_after: int) -> tuple:
+def step_signature(kinds: tuple, tensors: tuple, record_bytes: int, experts: int, slots: tuple, n_after: int) -> tuple:
     """The step kernel's input names, output names, body and output dtypes for jobs of `kinds`
-    (True: demand) with `n_after` ordering inputs: made once per signature, as a decode asks for
-    them at every layer (the kernel itself is `staging.cuda_kernel`'s to keep)."""
+    (True: demand) on maps of `slots` with `n_after` ordering inputs: made once per signature, as
+    a decode asks for them at every layer (the kernel itself is `staging.cuda_kernel`'s to keep)."""
     fill = bool(tensors)
     ins, outs, dtypes = ["base"] if fill else [], [], []
     for j, demand in enumerate(kinds):
         i, o = job_names(j, demand, fill)
         ins += i
         outs += o
-        dtypes += [mx.int32] * JOB_OUTPUTS + ([mx.uint32] if demand else [])
+        dtypes += [mx.int32] + ([mx.uint32] if demand else [])
     for j in range(len(kinds) if fill else 0):
         ins += [f"tab{j}_{i}" for i in range(len(tensors))]
     ins += [f"after{i}" for i in range(n_after)]
-    return tuple(ins), tuple(outs), step_source(kinds, tensors, record_bytes, experts), dtypes
+    return tuple(ins), tuple(outs), step_source(kinds, tensors, record_bytes, experts, slots), dtypes
 
 
 def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream=None) -> list:
     """The jobs' map steps and (with `tensors`) fills as one kernel: for each job its new MapState and
-    Fill, whose `remapped` (a demand job's, in its indices' shape) or `count` are outputs of the
+    Fill, whose `remapped` (a demand job's, in its indices' shape) and map are outputs of the
     kernel, so that whatever reads them runs after every copy. `after`: arrays whose producers
-    must have run first (the previous readers of these tables, a prefetch's fill of them): MLX
-    orders kernels by what they read and write, and it cannot see writes through a pointer."""
+    must have run first (the previous readers of these tables): MLX orders kernels by what they
+    read and write, and it cannot see writes through a pointer."""
     after = [a for a in after if a is not None]
     fill = bool(tensors)
     kinds = tuple(job.demand for job in jobs)
+    E, slots = jobs[0].state.E, tuple(job.state.S for job in jobs)
+    for job in jobs:
+        if job.slots != job.state.S or job.state.E != E:
+            raise ValueError(f"a job of {job.slots} slots on a map of {job.state.S} of {job.state.E} experts")
     dims = (tier.record_bytes, tier.num_experts) if fill else (0, 0)
-    ins, outs, src, dtypes = step_signature(kinds, tuple(tensors), *dims, len(after))
+    ins, outs, src, dtypes = step_signature(kinds, tuple(tensors), *dims, slots, len(after))
     k = cuda_kernel("step", ins, outs, src, STEP_HEADER)
-    inputs, shapes, template = [tier.base] if fill else [], [], [("E", jobs[0].state.slot_of.shape[0])]
+    inputs, shapes, template = [tier.base] if fill else [], [], [("E", E)]
     for j, job in enumerate(jobs):
-        inputs += [job.inds, *job.state.arrays()] + ([job.layer] if fill else [])
-        E, S, N = job.state.slot_of.shape[0], job.slots, job.inds.size
-        shapes += state_shapes(E, S) + [(min(N, S),), (min(N, S),), (1,)] + ([job.inds.shape] if job.demand else [])
-        template += [(f"S{j}", S), (f"P{j}", bool(job.protect_recent))]
+        inputs += [job.inds, job.state.block] + ([job.layer] if fill else [])
+        shapes += [job.state.block.shape] + ([job.inds.shape] if job.demand else [])
+        template += [(f"S{j}", job.slots), (f"P{j}", bool(job.protect_recent))]
     for job in jobs if fill else ():
         inputs += job.tables
     out = k(
@@ -420,10 +517,10 @@ def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream
     )
     res, at = [], 0
     for job in jobs:
-        o = out[at : at + JOB_OUTPUTS + job.demand]
-        at += len(o)
-        m = len(STATE)
-        res.append((MapState(*o[:m]), Fill(o[m + 3] if job.demand else NO_REMAP, o[m], o[m + 1], o[m + 2])))
+        state = MapState(out[at], E, job.slots)
+        remapped = out[at + 1] if job.demand else NO_REMAP
+        at += 1 + job.demand
+        res.append((state, Fill(remapped, packed=(state, min(job.inds.size, job.slots)))))
     return res
 
 
@@ -435,10 +532,6 @@ def map_step_kernel(state: MapState, inds: mx.array, slots: int, stream=None) ->
 def prefetch_step_kernel(state: MapState, inds: mx.array, slots: int, protect_recent=False, stream=None) -> tuple:
     """`prefetch_step_ops` as a step kernel with no fill."""
     return step_kernel([Job(state, inds, slots, demand=False, protect_recent=protect_recent)], stream=stream)[0]
-
-
-def state_shapes(E: int, S: int) -> list:
-    return [(E,), (S,), (S,), (1,), (len(COUNTERS),), (S,)]
 
 
 # -- the fill as MLX operations ---------------------------------------------------------------------
@@ -536,7 +629,6 @@ class DeviceCache:
         self.states = [MapState.empty(self.num_experts, s) for s in per_layer]
         self.layer_ids = [device_indices([i]) for i in range(store.num_layers)]
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
-        self.prefetched = [None] * store.num_layers  # each layer's last prefetch fill (kernel mode's ordering)
         self.overlap = overlap
         self.streams_used = set()  # the prefetch streams this cache queued work on (close waits for them)
         for layer, s in enumerate(per_layer):
@@ -550,8 +642,8 @@ class DeviceCache:
     def fill_all(self, layer: int):
         remapped = self.step(layer, mx.arange(self.num_experts, dtype=mx.int32))
         mx.eval(remapped, self.tables[layer], self.states[layer].arrays())  # the kernel's output runs it
-        # the initial fill is not a miss of any token
-        self.states[layer].counters = mx.zeros((len(COUNTERS),), mx.int32)
+        self.states[layer] = self.states[layer].without_counts()  # the initial fill is no token's miss
+        mx.eval(self.states[layer].arrays())
 
     def step(self, layer: int, inds: mx.array, ahead=None) -> mx.array:
         """The map step and fill of `layer` for the router's indices `inds` (any shape, int32 -1 =
@@ -571,15 +663,16 @@ class DeviceCache:
             self.states[layer] = state
             return fill.remapped.reshape(inds.shape)
         jobs = [Job(self.states[layer], inds, S, layer=self.layer_ids[layer], tables=self.tables[layer])]
-        after = [self.after[layer], self.prefetched[layer]]
+        # A prefetch's fill of these tables ran before: its map is this step's input.
+        after = [self.after[layer]]
         if ahead is not None:
             t, pred = ahead
             jobs.append(Job(self.states[t], pred, self.slots[t], False, False, self.layer_ids[t], self.tables[t]))
-            after += [self.after[t], self.prefetched[t]]
+            after.append(self.after[t])
         out = step_kernel(jobs, self.tier, self.tensors, after)
-        self.states[layer], self.prefetched[layer] = out[0][0], None
+        self.states[layer] = out[0][0]
         if ahead is not None:
-            self.states[t], self.prefetched[t] = out[1][0], out[1][1].count
+            self.states[t] = out[1][0]
         return out[0][1].remapped
 
     def prefetch(self, layer: int, inds: mx.array, protect_recent: bool = False):
@@ -602,11 +695,8 @@ class DeviceCache:
             mx.async_eval([a for a in before if a is not None])
         if self.mode == "kernel":
             job = Job(self.states[layer], inds, S, False, protect_recent, self.layer_ids[layer], self.tables[layer])
-            ((state, fill),) = step_kernel(
-                [job], self.tier, self.tensors, (self.after[layer], self.prefetched[layer]), stream
-            )
-            self.prefetched[layer] = fill.count
-            made = [fill.count, *state.arrays()]
+            ((state, _),) = step_kernel([job], self.tier, self.tensors, (self.after[layer],), stream)
+            made = state.arrays()
         else:
             with mx.stream(stream) if stream is not None else contextlib.nullcontext():
                 state, fill = prefetch_step_ops(self.states[layer], inds, S, protect_recent)
@@ -624,8 +714,13 @@ class DeviceCache:
         self.position, self.rows = position, rows
 
     def counter_rows(self) -> mx.array:
-        """Every layer's counters as they will stand once what is queued has run, (L, counters)."""
-        return mx.stack([s.counters for s in self.states])
+        """Every layer's counters as they will stand once what is queued has run, (L, counters):
+        two operations where every layer's map has one shape, not one a layer."""
+        shapes = {s.block.shape for s in self.states}
+        if len(shapes) > 1:
+            return mx.stack([s.counters for s in self.states])
+        at, n = MapState.layout(self.states[0].E, self.states[0].S)["counters"]
+        return mx.stack([s.block for s in self.states])[:, at : at + n]
 
     def totals(self, rows: mx.array | None = None) -> dict:
         """Every counter over every layer, the bytes read (demand and prefetch) and the evictions,
