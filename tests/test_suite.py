@@ -293,6 +293,9 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
         "resident's 5.00; decoding pipelined, the host builds a token's graph in 4.00 ms against 3.00 and 2.00, "
         "and waits for its token 5.00 ms against 4.00 and 3.00"
     ) in text
+    piped.update({k.replace("graph_ms", "queue_ms"): v / 2 for k, v in graph.items()})  # MLX encoding it
+    text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph, **piped}.items()]))
+    assert "3.00 and 2.00, hands it to MLX in 2.00 against 1.50 and 1.00, and waits for its token 5.00" in text
     # a default faster than both says nothing of the kind
     quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))

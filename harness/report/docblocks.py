@@ -188,10 +188,13 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
             text += ", neither waiting for a read: the rest is the prefetch's own launches and predictions"
         graph = [fig.get(f"graph_ms[{k}/device]") for k in keys]
         wait = [fig.get(f"eval_ms[{k}/device]") for k in keys]
+        queue = [fig.get(f"queue_ms[{k}/device]") for k in keys]
         if fig.get(f"pipelined[{keys[0]}/device]"):  # the host builds while the device runs the last token
             text += f"; decoding pipelined, the host builds a token's graph in {graph[0]:.2f} ms against"
-            text += f" {graph[1]:.2f} and {graph[2]:.2f}, and waits for its token {wait[0]:.2f} ms against"
-            text += f" {wait[1]:.2f} and {wait[2]:.2f}"
+            text += f" {graph[1]:.2f} and {graph[2]:.2f}"
+            if None not in queue:  # MLX encoding it for the device
+                text += f", hands it to MLX in {queue[0]:.2f} against {queue[1]:.2f} and {queue[2]:.2f}"
+            text += f", and waits for its token {wait[0]:.2f} ms against {wait[1]:.2f} and {wait[2]:.2f}"
         elif None not in graph:  # of which the host, building the token's graph (the rest: its evaluation)
             text += f"; the host builds its graph in {graph[0]:.2f} ms against {graph[1]:.2f} and {graph[2]:.2f}"
     return text

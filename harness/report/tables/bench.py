@@ -86,6 +86,8 @@ def bench_table(recs):
                 if "call_split_ms" in v:  # the host building a token's graph, and waiting for it, in ms
                     figs[f"graph_ms[{k}]"] = v["call_split_ms"]["graph"]
                     figs[f"eval_ms[{k}]"] = v["call_split_ms"]["eval"]
+                    if "queue" in v["call_split_ms"]:  # a pipelined decode's handing over
+                        figs[f"queue_ms[{k}]"] = v["call_split_ms"]["queue"]
                     figs[f"pipelined[{k}]"] = float(res.get("loop") == "pipelined")
         elif base["bench"] == "serve":
             base["slots"] = res["slots"]
