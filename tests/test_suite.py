@@ -285,17 +285,19 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     }
     text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph}.items()]))
     assert "resident's 5.00; the host builds its graph in 4.00 ms against 3.00 and 2.00" in text
-    # a pipelined run: the host builds a token while the device runs the last, and then waits for it
+    # a pipelined run: the host builds a token while the device runs the last, hands it to MLX, and
+    # waits for it; where no token waited, the token is all the host's
     piped = {k.replace("graph_ms", "eval_ms"): v + 1 for k, v in graph.items()}
     piped.update({k.replace("graph_ms", "pipelined"): 1.0 for k in graph})
+    piped.update({k.replace("graph_ms", "queue_ms"): v / 2 for k, v in graph.items()})
     text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph, **piped}.items()]))
     assert (
-        "resident's 5.00; decoding pipelined, the host builds a token's graph in 4.00 ms against 3.00 and 2.00, "
-        "and waits for its token 5.00 ms against 4.00 and 3.00"
+        "resident's 5.00, of which waiting for its token 5.00 ms against 4.00 and 3.00: building its graph 4.00 "
+        "against 3.00 and 2.00, MLX taking it 2.00 against 1.50 and 1.00 (`scripts"
     ) in text
-    piped.update({k.replace("graph_ms", "queue_ms"): v / 2 for k, v in graph.items()})  # MLX encoding it
+    piped.update({k.replace("graph_ms", "eval_ms"): 0.01 for k in graph})
     text = docblocks.device_install(bench_rows(rows + [(*pf, k, v) for k, v in {**figs, **graph, **piped}.items()]))
-    assert "3.00 and 2.00, hands it to MLX in 2.00 against 1.50 and 1.00, and waits for its token 5.00" in text
+    assert "resident's 5.00, all of it the host's (none waited over 0.01 ms for its token): building its" in text
     # a default faster than both says nothing of the kind
     quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))

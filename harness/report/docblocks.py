@@ -184,18 +184,19 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
         text += f" and resident's {1e3 / res:.2f}"
         keys = (f"oracle/d{d}" + "/serial" * serial, "none/d0", "resident/d0")
         stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in keys[:2]]
+        graph, wait, queue = ([fig.get(f"{f}_ms[{k}/device]") for k in keys] for f in ("graph", "eval", "queue"))
+        if fig.get(f"pipelined[{keys[0]}/device]") and None not in graph + wait + queue:
+            # the host builds a token while the device runs the last one: who waited for whom
+            if max(wait) < 0.1:
+                text += f", all of it the host's (none waited over {max(wait):.2f} ms for its token)"
+            else:
+                text += f", of which waiting for its token {wait[0]:.2f} ms against {wait[1]:.2f} and {wait[2]:.2f}"
+            text += f": building its graph {graph[0]:.2f} against {graph[1]:.2f} and {graph[2]:.2f}, MLX taking"
+            text += f" it {queue[0]:.2f} against {queue[1]:.2f} and {queue[2]:.2f}"
+            return text
         if stalls == [0, 0]:  # neither waits for a read: the difference is the prefetch's own work
             text += ", neither waiting for a read: the rest is the prefetch's own launches and predictions"
-        graph = [fig.get(f"graph_ms[{k}/device]") for k in keys]
-        wait = [fig.get(f"eval_ms[{k}/device]") for k in keys]
-        queue = [fig.get(f"queue_ms[{k}/device]") for k in keys]
-        if fig.get(f"pipelined[{keys[0]}/device]"):  # the host builds while the device runs the last token
-            text += f"; decoding pipelined, the host builds a token's graph in {graph[0]:.2f} ms against"
-            text += f" {graph[1]:.2f} and {graph[2]:.2f}"
-            if None not in queue:  # MLX encoding it for the device
-                text += f", hands it to MLX in {queue[0]:.2f} against {queue[1]:.2f} and {queue[2]:.2f}"
-            text += f", and waits for its token {wait[0]:.2f} ms against {wait[1]:.2f} and {wait[2]:.2f}"
-        elif None not in graph:  # of which the host, building the token's graph (the rest: its evaluation)
+        if None not in graph:  # of which the host, building the token's graph (the rest: its evaluation)
             text += f"; the host builds its graph in {graph[0]:.2f} ms against {graph[1]:.2f} and {graph[2]:.2f}"
     return text
 
