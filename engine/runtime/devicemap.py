@@ -61,6 +61,11 @@ MODES = ("kernel", "ops")
 STEP_FIGURES = ("hits", "misses", "bytes_read", "issued", "useful", "wasted")
 
 
+def _view(name: str):
+    """A MapState field: a view of its block, made when first asked for."""
+    return functools.cached_property(lambda self: self.part(name))
+
+
 class MapState:
     """One layer's slot map on the device, as one int32 array (`block`), so that a step kernel reads
     and writes it as one input and one output: on the H200 each of a kernel's arrays is host work
@@ -91,37 +96,12 @@ class MapState:
         starts = np.cumsum([0, *sizes.values()])
         return {n: (int(a), n_) for (n, n_), a in zip(sizes.items(), starts)}
 
-    @staticmethod
-    def size(experts: int, slots: int) -> int:
-        return sum(MapState.layout(experts, slots)["count"])
-
     def part(self, name: str, length: int | None = None) -> mx.array:
         at, n = self.layout(self.E, self.S)[name]
         return self.block[at : at + (n if length is None else length)]
 
-    @functools.cached_property
-    def slot_of(self):
-        return self.part("slot_of")
-
-    @functools.cached_property
-    def expert_in(self):
-        return self.part("expert_in")
-
-    @functools.cached_property
-    def stamp(self):
-        return self.part("stamp")
-
-    @functools.cached_property
-    def clock(self):
-        return self.part("clock")
-
-    @functools.cached_property
-    def counters(self):
-        return self.part("counters")
-
-    @functools.cached_property
-    def pending(self):
-        return self.part("pending")
+    slot_of, expert_in, stamp = _view("slot_of"), _view("expert_in"), _view("stamp")
+    clock, counters, pending = _view("clock"), _view("counters"), _view("pending")
 
     @classmethod
     def of(cls, slot_of, expert_in, stamp, clock, counters, pending):
