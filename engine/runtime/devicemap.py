@@ -384,7 +384,7 @@ __device__ int titan_map_step(
 WARP = 32
 FILL_THREADS = 132 * 1024  # enough loads in flight to keep PCIe busy (the probe's kernel read 46.8 GB/s)
 # The map step's pointers into a job's input block and output block, in titan_map_step's order.
-STATE_IN = ("slot_of", "expert_in", "stamp", "clock", "counters", "pending")
+STATE_IN = MapState.FIELDS
 STATE_OUT = STATE_IN + ("fill_e", "fill_s", "count")
 
 
@@ -557,9 +557,6 @@ class DeviceStats(StepStats):
             out.update({k: now[k] - self._cache.last_seen[k] for k in STEP_FIGURES})
             self._cache.last_seen = now
         return out
-
-    def as_dict(self) -> dict:
-        return self.figures(self.capture())
 
 
 _streams = threading.local()

@@ -53,7 +53,7 @@ class StepStats:
     def capture(self) -> dict:
         """The step's figures once its graph is built: what the host counted, and what the device
         counts as arrays still to evaluate (`pending`), read by `figures` after the step ran."""
-        return StepStats.as_dict(self)
+        return self.as_dict()
 
     def pending(self, captured: dict) -> list:
         return []
