@@ -56,7 +56,7 @@ def add_engine_args(p):
         "--install",
         choices=["auto", "inplace", "copy", "pinned", "device"],
         default="auto",
-        help="inplace: reads land in slot memory; copy: NumPy record, mx.array, lazy buffer write; "
+        help="inplace: reads land in slot memory (pinned on a GPU); copy: NumPy record, mx.array, lazy buffer write; "
         "pinned: pinned staging and a copy kernel (CUDA); device: every expert in pinned host memory "
         "and the slot maps on the device, no host synchronisation inside a token (CUDA; MLX "
         "operations elsewhere); auto: inplace on the CPU, device on a CUDA GPU (pinned where the "

@@ -55,7 +55,7 @@ def resolved_overlap(overlap: bool | None, install: str) -> bool:
 class EngineConfig:
     slots: int | None = None  # None: every expert resident (S = E)
     tier: str = "page_cache"
-    install: str = "auto"  # inplace on the CPU, pinned on a CUDA GPU (engine.device says why)
+    install: str = "auto"  # inplace on the CPU, device on a CUDA GPU (engine.device says why)
     sync: str = "batched"  # or per_miss: the paper's first version, for its ablation
     readers: int = 4
     eviction: str = "lru"

@@ -62,7 +62,8 @@ def _say(msg: str):
 
 def resolve_install(mode: str, device_kind: str | None = None) -> str:
     """The install mode that runs: `auto` per device; `pinned` where it cannot run says why and
-    falls back to what `auto` would pick without it."""
+    falls back to what `auto` would pick without it; `inplace` on a GPU says why and is `pinned`
+    (or what `pinned` falls back to), as `pinned` on the CPU is `inplace`."""
     if mode == "auto":
         chosen = default_install(device_kind)
         if (device_kind or kind()) == "gpu" and chosen == "copy":
@@ -70,6 +71,12 @@ def resolve_install(mode: str, device_kind: str | None = None) -> str:
         return chosen
     if mode == "device":
         return mode  # the same bookkeeping runs as MLX operations where the kernels cannot
+    if mode == "inplace" and (device_kind or kind()) == "gpu":
+        # A host view of a slot table moves it to managed memory for good (module docstring): reader
+        # threads would then write into pages the device is reading. The suite's one unexplained
+        # device fault of 2026-12-04 was on this path (docs/gpu.md).
+        _say("install inplace takes host views of the slot tables, which a GPU cannot share; using pinned")
+        return resolve_install("pinned", device_kind)
     if mode == "pinned":
         if (device_kind or kind()) != "gpu":
             _say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")

@@ -14,7 +14,7 @@
 #   prefetch alone, on a stream of its own and on the decode stream, 5 prompts; needs build),
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
-#   decodes of the full-size model; needs build; no record),
+#   decodes of the full-size model, with MLX's CUDA graphs and without; needs build; no record),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
@@ -135,7 +135,8 @@ for step in "$@"; do
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
     launch) run $py scripts/probe_launch_cost.py ;;
-    layer) run $py scripts/probe_layer_cost.py ;;  # needs build
+    layer) run $py scripts/probe_layer_cost.py  # needs build
+           run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py ;;  # MLX's CUDA graphs' share
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
               --installs pinned --overlap on --record ;;
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}

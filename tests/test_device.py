@@ -27,9 +27,19 @@ def test_auto_install_resolves_per_device(monkeypatch):
     monkeypatch.setattr(device, "pinned_unavailable", lambda: None)  # a CUDA GPU
     assert device.resolve_install("auto", "gpu") == "device"  # the engine steps back to pinned if it must
     assert device.resolve_install("pinned", "gpu") == "pinned"
+    assert device.resolve_install("inplace", "gpu") == "pinned"  # no host view of a slot table on a GPU
+    assert device.resolve_install("inplace", "cpu") == "inplace"
     monkeypatch.setattr(device, "pinned_unavailable", lambda: "MLX's GPU here is not CUDA")  # e.g. Apple Silicon
     assert device.resolve_install("auto", "gpu") == "copy"
     assert device.resolve_install("pinned", "gpu") == "copy"
+    assert device.resolve_install("inplace", "gpu") == "copy"
+
+
+def test_inplace_on_a_gpu_says_why_it_is_pinned(monkeypatch, capsys):
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
+    monkeypatch.setattr(device, "_SAID", set())
+    assert device.resolve_install("inplace", "gpu") == "pinned"
+    assert "install inplace takes host views of the slot tables" in capsys.readouterr().err
 
 
 def test_engine_default_resolves_auto():
