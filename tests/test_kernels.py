@@ -160,6 +160,27 @@ def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
     assert counters[:, 1].sum() > 0 and counters[:, 2].sum() > 0  # misses filled and prefetches issued
 
 
+@cpu_only  # on a GPU: tests/test_devicemap.py::test_the_map_kernel_gives_the_operations_maps
+@pytest.mark.parametrize("E,S", [(16, 6), (64, 16)])
+def test_the_map_kernels_without_a_fill_compute_what_the_operations_compute(emulated, E, S):
+    """A step kernel with no tier and no tables (map_step_kernel, prefetch_step_kernel) reads and
+    writes its map's block in the block's own layout, as the kernel with a fill does."""
+    emulated()
+    rng = np.random.default_rng(E)
+    a, b = MapState.empty(E, S), MapState.empty(E, S)
+    for i in range(12):
+        inds = mx.array(rng.choice(E, size=min(8, S), replace=False).astype(np.int32))
+        a, fa = map_step_ops(a, inds, S)
+        b, fb = devicemap.map_step_kernel(b, inds, S)
+        assert np.array_equal(np.array(fa.remapped), np.array(fb.remapped)), i
+        pred = mx.array(rng.choice(E, size=6, replace=False).astype(np.int32))
+        a, pa = prefetch_step_ops(a, pred, S, protect_recent=i % 2 == 1)
+        b, pb = devicemap.prefetch_step_kernel(b, pred, S, protect_recent=i % 2 == 1)
+        ours, theirs = a.fields() + [fa.experts, pa.experts, pa.count], b.fields() + [fb.experts, pb.experts, pb.count]
+        for x, y in zip(ours, theirs):
+            assert np.array_equal(np.array(x), np.array(y)), i
+
+
 @cpu_only
 @pytest.mark.parametrize("name,depth", [("probe", 2), ("oracle", 3)])
 def test_the_engine_on_the_emulated_kernels_gives_mlx_lms_logits(

@@ -476,8 +476,9 @@ def step_kernel(jobs, tier: HostTier | None = None, tensors=(), after=(), stream
     for job in jobs:
         if job.slots != job.state.S or job.state.E != E:
             raise ValueError(f"a job of {job.slots} slots on a map of {job.state.S} of {job.state.E} experts")
-    dims = (tier.record_bytes, tier.num_experts) if fill else (0, 0)
-    ins, outs, src, dtypes = step_signature(kinds, tuple(tensors), *dims, slots, len(after))
+    # E lays out every map's block (MapState.layout), with a fill or without one
+    record_bytes = tier.record_bytes if fill else 0
+    ins, outs, src, dtypes = step_signature(kinds, tuple(tensors), record_bytes, E, slots, len(after))
     k = cuda_kernel("step", ins, outs, src, STEP_HEADER)
     inputs, shapes, template = [tier.base] if fill else [], [], [("E", E)]
     for j, job in enumerate(jobs):
