@@ -123,9 +123,6 @@ for r in range(ROUNDS + 1):  # the first round warms up (kernel compilation) and
             continue
         if r:
             per[k].append(dict(call_split(recs), total=1e3 * totals(recs)["seconds"] / totals(recs)["tokens"]))
-for eng in engines.values():
-    eng.close()
-mx.synchronize()
 graphs = os.environ.get("MLX_USE_CUDA_GRAPHS", "default")
 print(f"{MODEL}, S = {S}, {TOKENS} tokens pipelined, median of {ROUNDS} interleaved rounds (ms per token); "
       f"MLX_USE_CUDA_GRAPHS={graphs}")  # fmt: skip
@@ -135,3 +132,7 @@ for k, runs in per.items():
     print(f"{k:12s} {m['graph']:7.2f} {m['queue']:7.2f} {m['eval']:7.2f} {m['total']:7.2f}  {1e3 / m['total']:.1f}")
 for k, why in failed.items():
     print(f"{k:12s} FAILED: {why}")
+sys.stdout.flush()
+for eng in engines.values():  # after the table: a fault a variant left behind surfaces here
+    eng.close()
+mx.synchronize()
