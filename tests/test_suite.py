@@ -15,6 +15,7 @@ from conftest import ROOT, needs_git
 
 from harness import rawlog, records, suite
 from harness.report import docblocks
+from harness.report.tables import suite as suite_tables
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
 FULL_RUN_FILE = re.compile(r"[0-9a-f]{12}(-dirty)?-host-")
@@ -191,6 +192,30 @@ def test_a_pages_generated_block_is_rewritten_and_nothing_else(tmp_path):
         docblocks.build({"suite": suite_df}, tmp_path)
 
 
+def test_a_narrower_latest_run_is_said_beside_the_widest_one():
+    """A check of a fix runs a few tests on the GPU: the README says so, and still says what the
+    latest of the widest runs found."""
+    assert suite_tables.scope_of(["tests"]) == "the whole suite"
+    assert suite_tables.scope_of(["tests/test_a.py", "tests/test_b.py"]) == "2 test files"
+    assert suite_tables.scope_of(["tests/test_a.py::test_x", "tests/test_b.py"]) == "1 test file and 1 single test"
+    base = dict(device="gpu", chip="NVIDIA H200", commit="c", errors=0, skipped=0, faulted_after="", not_run="")
+    df = pd.DataFrame(
+        [dict(base, engine_tree="t1", scope="16 test files", paths=16, passed=370, failed=1,
+              failures="tests/test_e.py::test_x[8]", run_id="wide"),
+         dict(base, engine_tree="t2", scope="1 test file and 1 single test", paths=2, passed=6, failed=0,
+              failures="", run_id="narrow")]
+    )  # fmt: skip
+    said = docblocks.gpu_exactness(df)
+    assert said.startswith("The suite's latest run on a GPU (NVIDIA H200, `engine/` tree `t2`")
+    narrow = "1 test file and 1 single test, [record](results/raw/tests/suite/narrow.jsonl)): 6 passed, no failure"
+    assert narrow in said
+    assert said.endswith(
+        "The latest of its widest runs (NVIDIA H200, `engine/` tree `t1` at commit `c`, 16 test files, "
+        "[record](results/raw/tests/suite/wide.jsonl)): 370 passed, 1 failed, 0 skipped. Failed: `test_x[8]`."
+    )
+    assert "widest" not in docblocks.gpu_exactness(df.iloc[:1])  # the latest run is the widest: one sentence
+
+
 def test_the_readme_carries_the_generated_gpu_sentence():
     """What `snakemake figures` writes into the README from the committed records, byte for byte."""
     table = ROOT / "figures" / "tables" / "suite.csv"
@@ -266,8 +291,9 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     newer = bench_rows([(*pf, k, v) for k, v in figs.items()])
     text = docblocks.device_install(pd.concat([bench_rows(rows), newer, older]))
     assert (
-        "the oracle's prefetch at S = 16 0.50× at its best depth (d = 2), on the decode stream (the default), "
-        "target 0.8 missed by 0.30, on a stream of its own (`--overlap on`) 0.75× (d = 1), "
+        "the oracle's prefetch at S = 16 0.50× (100 [100, 100] tok/s over prompts against resident's 200) at its "
+        "best depth (d = 2), on the decode stream (the default), target 0.8 missed by 0.30, "
+        "on a stream of its own (`--overlap on`) 0.75× (d = 1), "
         "demand loading 0.80× in the same run (the default prefetch slower than a stream of its own and demand "
         "loading)"
     ) in text
@@ -301,12 +327,21 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     # a default faster than both says nothing of the kind
     quick = {**figs, "tok_s[oracle/d2/serial/device]": 170.0}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in quick.items()])]))
-    assert "0.85× at its best depth (d = 2), on the decode stream (the default), target 0.8 met, on a stream" in text
+    assert (
+        "0.85× (170 [170, 170] tok/s over prompts against resident's 200) at its best depth (d = 2), on the "
+        "decode stream (the default), target 0.8 met, on a stream" in text
+    )
     assert "slower than" not in text and "a token" not in text  # the target met: nothing to explain
+    # the prompts' range: a target the median meets and the slowest prompt misses is met within it
+    spread = {**quick, "tok_s_min[oracle/d2/serial/device]": 150.0, "tok_s_max[oracle/d2/serial/device]": 180.0}
+    text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in spread.items()])]))
+    assert "0.85× (170 [150, 180] tok/s over prompts against resident's 200)" in text
+    assert "target 0.8 met within the spread" in text
     # a run with only the other stream's figure names that stream, not the default
     own = {k: v for k, v in figs.items() if "serial" not in k}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in own.items()])]))
-    assert "0.75× at its best depth (d = 1), on a stream of its own (`--overlap on`), target 0.8 missed by 0.05" in text
+    assert "at its best depth (d = 1), on a stream of its own (`--overlap on`), target 0.8 missed by 0.05" in text
+    assert "0.75× (150 [150, 150] tok/s" in text
     assert "(this prefetch slower than demand loading)" in text
 
 

@@ -13,7 +13,8 @@ NOT_RUN = re.compile(r"not run: the device faulted after (\S+)")
 def suite_table(recs):
     """Every recorded run of the test suite (python -m harness suite): where it ran, on which
     engine/ tree, and what it found."""
-    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "passed", "failed", "errors", "skipped", "xfailed"]
+    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "paths", "passed", "failed", "errors", "skipped"]
+    cols += ["xfailed"]
     cols += ["seconds", "failures", "faulted_after", "not_run", "started_utc", "run_id"]
     rows = []
     for r in recs:
@@ -22,7 +23,8 @@ def suite_table(recs):
         rows.append(
             dict(
                 **machine_cols(r),
-                scope="the whole suite" if args in (["tests"], ["tests/"]) else f"{len(args)} test files",
+                scope=scope_of(args),
+                paths=0 if args in (["tests"], ["tests/"]) else len(args),  # 0: every test
                 engine_tree=res["engine_tree"][:12],
                 dirty=r["dirty"],
                 **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
@@ -35,6 +37,16 @@ def suite_table(recs):
             )
         )
     return pd.DataFrame(rows, columns=cols).sort_values(["started_utc", "run_id"], kind="mergesort")
+
+
+def scope_of(args: list) -> str:
+    """What a run covered, in words: the whole suite, or its test files and single tests."""
+    if args in (["tests"], ["tests/"]):
+        return "the whole suite"
+    tests = sum("::" in a for a in args)
+    files = len(args) - tests
+    parts = [f"{files} test file{'s' if files != 1 else ''}"] if files else []
+    return " and ".join(parts + ([f"{tests} single test{'s' if tests != 1 else ''}"] if tests else []))
 
 
 def determinism_table(recs):
