@@ -620,6 +620,7 @@ def prefetch_bench(a):
             tok_s=_median(tok_s),
             tok_s_min=min(tok_s),
             tok_s_max=max(tok_s),
+            tok_s_runs=tok_s,  # prompt by prompt, in the prompts' order: every row's runs pair up
             stall_ms_per_token=_median(stall),
             stall_ms_min=min(stall),
             stall_ms_max=max(stall),
@@ -634,6 +635,8 @@ def prefetch_bench(a):
     for v in table.values():
         v["stall_cut"] = 1 - v["stall_ms_per_token"] / base if base else None
         v["x_resident"] = v["tok_s"] / resident
+        # each prompt's ratio to resident decoding of the same prompt, decoded beside it
+        v["x_resident_paired"] = paired(v["tok_s_runs"], table["resident/d0"]["tok_s_runs"])
         v["stall_x_demand"] = v["stall_ms_per_token"] / base if base else None
     fitted = [k for k, v in table.items() if v["predictor"] in FITTED]
     best = min(fitted, key=lambda k: table[k]["stall_ms_per_token"]) if fitted else None
@@ -656,15 +659,17 @@ def prefetch_bench(a):
         f"tokens, pipelined as mlx-lm's generate_step (medians over prompts, [min, max])"
     )
     print(
-        f"  {'predictor/depth':18s} {'tok/s':>22s} {'x res':>6s} {'stall ms/tok':>13s} {'cut':>6s} {'hit':>6s} "
-        f"{'useful':>7s} {'wasted':>7s} {'late':>5s}"
+        f"  {'predictor/depth':18s} {'tok/s':>22s} {'x res (paired)':>20s} {'stall ms/tok':>13s} {'cut':>6s} "
+        f"{'hit':>6s} {'useful':>7s} {'wasted':>7s} {'late':>5s}"
     )
     for k, v in table.items():
+        xr = v["x_resident_paired"]
+        v_x = f"{xr['median']:.3f} [{xr['min']:.2f}, {xr['max']:.2f}]"
         cut = "" if v["stall_cut"] is None else f"{100 * v['stall_cut']:5.1f}%"
         hit = "" if v["hit_rate"] is None else f"{v['hit_rate']:6.3f}"
         rng = f"{v['tok_s']:7.2f} [{v['tok_s_min']:.1f}, {v['tok_s_max']:.1f}]"
         print(
-            f"  {k:18s} {rng:>22s} {v['x_resident']:6.3f} {v['stall_ms_per_token']:13.3f} {cut:>6s} {hit:>6s} "
+            f"  {k:18s} {rng:>22s} {v_x:>20s} {v['stall_ms_per_token']:13.3f} {cut:>6s} {hit:>6s} "
             f"{v['useful']:7d} {v['wasted']:7d} {v['late']:5d}"
         )
         if v["predictor"] != "resident":
@@ -673,6 +678,12 @@ def prefetch_bench(a):
     if best:
         print(f"  best fitted predictor: {best}")
     return out
+
+
+def paired(runs: list, against: list) -> dict:
+    """Run i's ratio to run i of `against` (decoded beside it), as median, min and max."""
+    ratios = sorted(x / y for x, y in zip(runs, against))
+    return dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])
 
 
 def serve(a):

@@ -780,6 +780,16 @@ def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys, mo
     warm = [m for m, n, _ in decoded[:3] if n == bench.WARM_TOKENS]
     assert len({id(m) for m in warm}) == 3 and [n for _, n, _ in decoded[3:]] == [a.tokens] * 3
     assert rows["oracle/d1/serial"]["overlap"] is False and rows["oracle/d1/serial"]["install"] == "device"
+    # each prompt is decoded by every configuration in turn: a row's ratio to resident decoding is
+    # taken prompt by prompt, and the table carries it with its range
+    runs = rows["oracle/d1/serial"]["tok_s_runs"]
+    assert len(runs) == a.prompts and rows["resident/d0"]["x_resident_paired"] == dict(median=1.0, min=1.0, max=1.0)
+    assert rows["oracle/d1/serial"]["x_resident_paired"]["min"] == runs[0] / rows["resident/d0"]["tok_s_runs"][0]
+    machine = dict(device="gpu", gpu="NVIDIA H200", chip="x", host="h", gate="bench")
+    df = bench_tables.bench_table([dict(machine, started_utc="t", run_id="r", result=out)]).set_index("figure")
+    paired = rows["oracle/d1/serial"]["x_resident_paired"]
+    assert df.loc["x resident paired[oracle/d1/serial/device]", "value"] == paired["median"]
+    assert df.loc["x resident paired_max[oracle/d1/serial/device]", "value"] == paired["max"]
     a.overlap = "both"
     rows = bench.prefetch_bench(a)["results"]
     assert set(rows) == {"resident/d0", "none/d0", "oracle/d1", "oracle/d1/serial"}

@@ -337,6 +337,14 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in spread.items()])]))
     assert "0.85× (170 [150, 180] tok/s over prompts against resident's 200)" in text
     assert "target 0.8 met within the spread" in text
+    # a run that pairs each prompt with resident decoding of it: those ratios, and their range
+    pairs = {"x resident paired[oracle/d2/serial/device]": 0.83, "x resident paired_min[oracle/d2/serial/device]": 0.81,
+             "x resident paired_max[oracle/d2/serial/device]": 0.9}  # fmt: skip
+    text = docblocks.device_install(
+        pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in {**spread, **pairs}.items()])])
+    )
+    assert "0.83× ([0.81, 0.90], each prompt against resident decoding of it) at its best depth (d = 2)" in text
+    assert "target 0.8 met, on a stream" in text  # every prompt's ratio above it: met outright
     # a run with only the other stream's figure names that stream, not the default
     own = {k: v for k, v in figs.items() if "serial" not in k}
     text = docblocks.device_install(pd.concat([bench_rows(rows), bench_rows([(*pf, k, v) for k, v in own.items()])]))

@@ -83,6 +83,10 @@ def bench_table(recs):
                 figs[f"stall_ms_per_token[{k}]"] = v["stall_ms_per_token"]
                 if "tok_s_min" in v:
                     figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
+                if "x_resident_paired" in v:  # each prompt against resident decoding of that prompt
+                    for stat, name in (("median", "x resident paired"), ("min", "x resident paired_min"),
+                                       ("max", "x resident paired_max")):  # fmt: skip
+                        figs[f"{name}[{k}]"] = v["x_resident_paired"][stat]
                 if "call_split_ms" in v:  # the host building a token's graph, and waiting for it, in ms
                     figs[f"graph_ms[{k}]"] = v["call_split_ms"]["graph"]
                     figs[f"eval_ms[{k}]"] = v["call_split_ms"]["eval"]
