@@ -35,6 +35,7 @@ from engine.runtime.slots import SlotTable
 from engine.tracing import trace
 
 from . import provenance, rawlog, servebench
+from .report.tables.common import paired
 
 DEFAULT_MODEL = {"throughput": "olmoe-tiny-f32", "prefetch": "olmoe-tiny-f32", "serve": "olmoe-tiny-f32"}
 # --overlap: the settings to run (None: the engine's default for the install, config.resolved_overlap)
@@ -678,12 +679,6 @@ def prefetch_bench(a):
     if best:
         print(f"  best fitted predictor: {best}")
     return out
-
-
-def paired(runs: list, against: list) -> dict:
-    """Run i's ratio to run i of `against` (decoded beside it), as median, min and max."""
-    ratios = sorted(x / y for x, y in zip(runs, against))
-    return dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])
 
 
 def serve(a):

@@ -4,7 +4,7 @@ import statistics
 
 import pandas as pd
 
-from .common import MACHINE, latest, machine_cols, res_get
+from .common import MACHINE, latest, machine_cols, paired, res_get
 
 
 def throughput_key(rec):
@@ -22,6 +22,12 @@ def throughput_key(rec):
         return f"{k}{loop}"
 
     return key
+
+
+def paired_figures(key: str, ratios: dict) -> dict:
+    """A configuration's paired ratios to resident decoding (common.paired) as table figures."""
+    names = dict(median="x resident paired", min="x resident paired_min", max="x resident paired_max")
+    return {f"{name}[{key}]": ratios[stat] for stat, name in names.items()}
 
 
 def bench_table(recs):
@@ -49,13 +55,8 @@ def bench_table(recs):
             runs = res.get("tok_s_runs", {})
             if res.get("ratio_vs_resident") and "S=E" in runs:
                 figs[f"repeats[{k_('S=E')}]"] = len(runs["S=E"])
-                # Each repeat's ratio to resident decoding in the same repeat (the runs are
-                # interleaved): a machine that drifts between repeats moves both sides of it.
-                for k, v in runs.items():
-                    paired = sorted(a / b for a, b in zip(v, runs["S=E"]))
-                    figs[f"x resident paired[{k_(k)}]"] = statistics.median(paired)
-                    figs[f"x resident paired_min[{k_(k)}]"] = paired[0]
-                    figs[f"x resident paired_max[{k_(k)}]"] = paired[-1]
+                for k, v in runs.items():  # each repeat against resident decoding in the same repeat
+                    figs.update(paired_figures(k_(k), paired(v, runs["S=E"])))
             figs.update({f"memory_bytes[{k_(k)}]": v for k, v in res.get("memory_bytes", {}).items()})
             # a prompt's prefill (records since it was measured): its speed and what it read
             figs.update({f"prefill_tok_s[{k_(k)}]": v for k, v in res.get("prefill_tok_s", {}).items()})
@@ -84,9 +85,7 @@ def bench_table(recs):
                 if "tok_s_min" in v:
                     figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = v["tok_s_min"], v["tok_s_max"]
                 if "x_resident_paired" in v:  # each prompt against resident decoding of that prompt
-                    for stat, name in (("median", "x resident paired"), ("min", "x resident paired_min"),
-                                       ("max", "x resident paired_max")):  # fmt: skip
-                        figs[f"{name}[{k}]"] = v["x_resident_paired"][stat]
+                    figs.update(paired_figures(k, v["x_resident_paired"]))
                 if "call_split_ms" in v:  # the host building a token's graph, and waiting for it, in ms
                     figs[f"graph_ms[{k}]"] = v["call_split_ms"]["graph"]
                     figs[f"eval_ms[{k}]"] = v["call_split_ms"]["eval"]

@@ -1,5 +1,7 @@
 """What every table shares: the machine columns and the pooling of runs (`latest`)."""
 
+import statistics
+
 import pandas as pd
 
 MACHINE = ["device", "chip", "host"]
@@ -39,3 +41,10 @@ def latest(rows, keys):
 
 def res_get(rec, key):
     return rec["result"].get(key)
+
+
+def paired(runs: list, against: list) -> dict:
+    """Run i's ratio to run i of `against` (decoded beside it, interleaved), as median, min and max:
+    a machine that drifts between runs moves both sides of each ratio."""
+    ratios = sorted(x / y for x, y in zip(runs, against))
+    return dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])

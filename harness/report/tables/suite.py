@@ -13,9 +13,9 @@ NOT_RUN = re.compile(r"not run: the device faulted after (\S+)")
 def suite_table(recs):
     """Every recorded run of the test suite (python -m harness suite): where it ran, on which
     engine/ tree, and what it found."""
-    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "paths", "passed", "failed", "errors", "skipped"]
-    cols += ["xfailed"]
-    cols += ["seconds", "failures", "faulted_after", "not_run", "started_utc", "run_id"]
+    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "paths"]
+    cols += ["passed", "failed", "errors", "skipped", "xfailed", "seconds"]
+    cols += ["failures", "faulted_after", "not_run", "started_utc", "run_id"]
     rows = []
     for r in recs:
         res = r["result"]
@@ -24,7 +24,7 @@ def suite_table(recs):
             dict(
                 **machine_cols(r),
                 scope=scope_of(args),
-                paths=0 if args in (["tests"], ["tests/"]) else len(args),  # 0: every test
+                paths=0 if whole_suite(args) else len(args),  # 0: every test
                 engine_tree=res["engine_tree"][:12],
                 dirty=r["dirty"],
                 **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
@@ -39,9 +39,13 @@ def suite_table(recs):
     return pd.DataFrame(rows, columns=cols).sort_values(["started_utc", "run_id"], kind="mergesort")
 
 
+def whole_suite(args: list) -> bool:
+    return args in (["tests"], ["tests/"])
+
+
 def scope_of(args: list) -> str:
     """What a run covered, in words: the whole suite, or its test files and single tests."""
-    if args in (["tests"], ["tests/"]):
+    if whole_suite(args):
         return "the whole suite"
     tests = sum("::" in a for a in args)
     files = len(args) - tests
