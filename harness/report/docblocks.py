@@ -166,10 +166,19 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     fig = dict(zip(prefetch["figure"], prefetch["value"]))
     res = fig.get("tok_s[resident/d0/device]")
 
+    def x_res(key: str):
+        """A configuration against resident decoding: its prompts each against resident decoding
+        of that prompt where the run pairs them, else its tok/s against resident's median, so
+        that one sentence never sets a paired ratio beside an unpaired one."""
+        if f"x resident paired[{key}]" in fig:
+            return fig[f"x resident paired[{key}]"]
+        tok = fig.get(f"tok_s[{key}]")
+        return tok / res if tok and res else None
+
     def best(serial: bool):
         depths = {
-            f.split("/d")[1].split("/")[0]: v
-            for f, v in fig.items()
+            f.split("/d")[1].split("/")[0]: x_res(f[len("tok_s[") : -1])
+            for f in fig
             if f.startswith("tok_s[oracle/d") and ("/serial" in f) == serial
         }
         return max(depths.items(), key=lambda kv: kv[1]) if depths else None
@@ -180,14 +189,14 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     main, other = best(serial), best(not serial)
     if not res or not main:
         return ""
-    (d, tok), demand = main, fig.get("tok_s[none/d0/device]")
+    d, demand = main[0], x_res("none/d0/device")
     key = f"oracle/d{d}" + "/serial" * serial + "/device"
+    tok = fig[f"tok_s[{key}]"]
+    ratio = round(main[1], 2)
     if f"x resident paired[{key}]" in fig:  # each prompt against resident decoding of that prompt
-        ratio = round(fig[f"x resident paired[{key}]"], 2)
         lo, hi = fig[f"x resident paired_min[{key}]"], fig[f"x resident paired_max[{key}]"]
         spread = f"[{lo:.2f}, {hi:.2f}], each prompt against resident decoding of it"
     else:  # records from before the pairing: the prompts' tok/s against resident's median
-        ratio = round(tok / res, 2)
         lo, hi = fig.get(f"tok_s_min[{key}]", tok) / res, fig.get(f"tok_s_max[{key}]", tok) / res
         spread = f"{tok:.0f} [{lo * res:.0f}, {hi * res:.0f}] tok/s over prompts against resident's {res:.0f}"
     met = "met" if ratio >= ORACLE_TARGET else f"missed by {ORACLE_TARGET - ratio:.2f}"
@@ -199,16 +208,16 @@ def device_oracle(prefetch: pd.DataFrame) -> str:
     text = f"the oracle's prefetch at S = 16 {ratio:.2f}× ({spread}) at its best depth (d = {d}), on {name}"
     text += f" ({how}), target {ORACLE_TARGET} {met}"
     if other:
-        text += f", on {STREAMS[not serial][0]} (`{STREAMS[not serial][1]}`) {other[1] / res:.2f}× (d = {other[0]})"
+        text += f", on {STREAMS[not serial][0]} (`{STREAMS[not serial][1]}`) {other[1]:.2f}× (d = {other[0]})"
     if demand:
-        text += f", demand loading {demand / res:.2f}× in the same run"
+        text += f", demand loading {demand:.2f}× in the same run"
     rivals = {STREAMS[not serial][0]: other[1] if other else None, "demand loading": demand}
-    slower = [n for n, v in rivals.items() if v and v > tok]
+    slower = [n for n, v in rivals.items() if v and v > main[1]]
     if slower:
         who = "the default prefetch" if serial == default else "this prefetch"
         text += f" ({who} slower than " + " and ".join(slower) + ")"
     if demand and ratio < ORACLE_TARGET:  # a missed target says where the time goes
-        text += f"; a token {1e3 / tok:.2f} ms against demand loading's {1e3 / demand:.2f}"
+        text += f"; a token {1e3 / tok:.2f} ms against demand loading's {1e3 / fig['tok_s[none/d0/device]']:.2f}"
         text += f" and resident's {1e3 / res:.2f}"
         keys = (f"oracle/d{d}" + "/serial" * serial, "none/d0", "resident/d0")
         stalls = [fig.get(f"stall_ms_per_token[{k}/device]") for k in keys[:2]]
