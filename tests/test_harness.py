@@ -740,16 +740,43 @@ def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path
            "memory_bytes[mlx-lm]": 3.9e9, "tok_s[mlx-lm]": 250.0, "ratio engine S=E / mlx-lm": 1.0}  # fmt: skip
     row = dict(device="gpu", chip="NVIDIA H200", host="h", bench="throughput", model="m", runs=1)
     # a run of longer decodes without memory figures first: its tok/s is not paired with the other's memory
-    rows = [dict(row, tokens=32, figure="tok_s[S=16]", value=60.0)]
-    rows += [dict(row, tokens=16, figure=k, value=v) for k, v in fig.items()]
+    rows = [dict(row, tokens=32, figure="tok_s[S=16]", value=60.0, run_id="20261130T000000000Z-cccccc")]
+    rows += [dict(row, tokens=16, figure=k, value=v, run_id="20261130T000000000Z-bbbbbb") for k, v in fig.items()]
+    # an older run that measured memory too, at configurations the wider one did not run: not drawn
+    # beside it (the bench table keeps each figure's newest run, so a panel would mix unlike runs)
+    older = {"memory_bytes[S=8/pinned@mlx-lm]": 0.8e9, "tok_s[S=8/pinned@mlx-lm]": 20.0}
+    # and a later one of one configuration: the wider run stays the panel's
+    later = {"memory_bytes[S=32/pinned@mlx-lm]": 2.1e9, "tok_s[S=32/pinned@mlx-lm]": 60.0}
+    rows += [dict(row, tokens=128, figure=k, value=v, run_id="20261201T000000000Z-dddddd") for k, v in later.items()]
+    rows += [dict(row, tokens=128, figure=k, value=v, run_id="20261129T000000000Z-aaaaaa") for k, v in older.items()]
     pd.DataFrame(rows).to_csv(figdir / "tables" / "bench.csv", index=False)
     pd.DataFrame({"empty": [True]}).to_csv(figdir / "tables" / "prefetch_online.csv", index=False)
     got = plotting._bench_memory(figdir).set_index("config")
     assert got.loc["S=16", ["memory_bytes", "tok_s", "tok_s_min", "tok_s_max"]].tolist() == [1.2e9, 40.0, 38.0, 44.0]
     assert got.loc["mlx-lm", "tok_s"] == 250.0 and len(got) == 2
+    assert set(got["run_id"]) == {"20261130T000000000Z-bbbbbb"}
     monkeypatch.setattr(plotting, "_empty", lambda *a: pytest.fail(f"drew the no-results card: {a}"))
     plotting.memory(figdir)  # gate C has nothing yet: the bench's runs alone make the figure
     assert (figdir / "throughput_vs_memory.png").exists()
+
+
+def test_a_throughput_runs_panel_draws_each_install_path_up_to_resident():
+    """One bench run with two install paths through mlx-lm's loop: one line each, S ascending and
+    ending at the run's S = E, mlx-lm's own resident decoding not among them."""
+    import matplotlib.pyplot as plt
+
+    rows = [("S=32/device@mlx-lm", 2.1e9, 220.0), ("S=8/device@mlx-lm", 0.8e9, 145.0),
+            ("S=8/pinned@mlx-lm", 0.8e9, 24.0), ("S=E@mlx-lm", 3.9e9, 300.0),
+            ("mlx-lm@mlx-lm", 3.9e9, 250.0)]  # fmt: skip
+    b = pd.DataFrame(rows, columns=["config", "memory_bytes", "tok_s"])
+    fig, ax = plt.subplots()
+    plotting._bench_lines(ax, b)
+    lines = {c.get_label(): c.lines[0].get_ydata().tolist() for c in ax.containers}
+    plt.close(fig)
+    assert lines == {
+        "device through mlx-lm (bench throughput)": [145.0, 220.0, 300.0],
+        "pinned through mlx-lm (bench throughput)": [24.0, 300.0],
+    }
 
 
 def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys, monkeypatch):

@@ -373,24 +373,56 @@ def placement(figdir):
 
 
 def _bench_memory(figdir):
-    """`bench throughput` runs that measured memory: one row per configuration (S=16, S=E,
-    mlx-lm...) with its tok/s median and range and the memory it held."""
+    """The widest `bench throughput` run that measured memory, per machine and model: one row per
+    configuration (S=16/device, S=E, mlx-lm...) with its tok/s median and range and the memory it
+    held. One run only, since the bench table keeps each figure's newest run and runs differ in
+    what they measured: figures of several runs in one panel would set unlike decodes side by side."""
     b = _read(figdir, "bench")
     b = b[b["bench"] == "throughput"] if not b.empty else b
-    cols = ["machine", "model", "config", "memory_bytes", "tok_s", "tok_s_min", "tok_s_max"]
+    cols = ["machine", "model", "config", "memory_bytes", "tok_s", "tok_s_min", "tok_s_max", "run_id"]
     if b.empty:
         return pd.DataFrame(columns=cols)
     b = b.assign(machine=_machine(b), name=b["figure"].str.extract(r"^([a-z_ ]+)\[")[0],
-                 config=b["figure"].str.extract(r"\[(.*)\]$")[0])  # fmt: skip
+                 config=b["figure"].str.extract(r"\[(.*)\]$")[0],
+                 run_id=b["run_id"].fillna("") if "run_id" in b else "")  # fmt: skip
     b = b[b["name"].isin(["memory_bytes", "tok_s", "tok_s_min", "tok_s_max"])]
-    # one run's figures together: a run of other decode lengths has its own row in the table
-    b = b.assign(tokens=b["tokens"].fillna(0) if "tokens" in b else 0)
-    index = ["machine", "model", "config", "tokens"]
-    wide = b.pivot_table(index=index, columns="name", values="value", aggfunc="first")
+    wide = b.pivot_table(
+        index=["machine", "model", "config", "run_id"], columns="name", values="value", aggfunc="first"
+    )
     wide = wide.reset_index()
     if "memory_bytes" not in wide.columns:
         return pd.DataFrame(columns=cols)
-    return wide[wide["memory_bytes"].notna()].reindex(columns=cols)
+    wide = wide[wide["memory_bytes"].notna()]
+    # the widest run (most configurations), the latest of those: a quick run of one S beside a
+    # sweep is the sweep's footnote, not its replacement
+    size = wide.groupby(["machine", "model", "run_id"])["config"].transform("size")
+    wide = wide.assign(rank=size.astype(str).str.zfill(4) + wide["run_id"])
+    best = wide.groupby(["machine", "model"])["rank"].transform("max")
+    return wide[wide["rank"] == best].reindex(columns=cols)
+
+
+# A bench configuration's name: S=16/device@mlx-lm is S = 16 on the device install through mlx-lm's
+# generate_step; S=E is resident decoding by the engine, mlx-lm mlx-lm's own.
+BENCH_CONFIG = r"^S=(?P<slots>\d+|E)(?:/(?P<install>[a-z-]+))?(?P<loop>@mlx-lm)?$"
+INSTALL_COLORS = {"device": "C5", "pinned": "C9", "inplace": "C6", "copy": "C7", "staged": "C8"}
+
+
+def _bench_lines(ax, b):
+    """One line per install path of one bench run, S ascending and ending at the run's S = E."""
+    parsed = b["config"].str.extract(BENCH_CONFIG)
+    b = b.assign(slots=parsed["slots"], install=parsed["install"].fillna(""), loop=parsed["loop"].fillna(""))
+    full, offloaded = b[b["slots"] == "E"], b[b["slots"].notna() & (b["slots"] != "E")]
+    if offloaded.empty:  # a run of resident decoding alone: its points
+        ax.scatter(full["memory_bytes"] / 1e6, full["tok_s"], marker="D", color="C5", label="S=E (bench throughput)")
+    for (install, loop), h in offloaded.groupby(["install", "loop"]):
+        h = h.assign(n=h["slots"].astype(int)).sort_values("n")
+        h = pd.concat([h, full[full["loop"] == loop]])
+        label = f"{install or 'offloaded'}{' through mlx-lm' if loop else ''} (bench throughput)"
+        ax.errorbar(h["memory_bytes"] / 1e6, h["tok_s"], yerr=_err(h, "tok_s"), marker="D",
+                    color=INSTALL_COLORS.get(install, "C5"), capsize=3, label=label)  # fmt: skip
+        for r in h.itertuples():
+            ax.annotate(f"S={r.slots}", (r.memory_bytes / 1e6, r.tok_s), fontsize=6, xytext=(3, -9),
+                        textcoords="offset points")  # fmt: skip
 
 
 def memory(figdir):
@@ -420,14 +452,9 @@ def memory(figdir):
                 ax.annotate(f"S={r.slots}", (r.memory_bytes / 1e6, r.tok_s), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")  # fmt: skip
         b = bench[(bench["machine"] == key[0]) & (bench["model"] == key[1])]
-        h = b[b["config"] != "mlx-lm"].sort_values("memory_bytes")
-        if not h.empty:
-            ax.errorbar(h["memory_bytes"] / 1e6, h["tok_s"], yerr=_err(h, "tok_s"), marker="D", color="C5",
-                        capsize=3, label="none (bench throughput)")  # fmt: skip
-            for r in h.itertuples():
-                ax.annotate(r.config, (r.memory_bytes / 1e6, r.tok_s), fontsize=6, xytext=(3, -9),
-                            textcoords="offset points")  # fmt: skip
-        ref = pd.concat([g[g["predictor"] == "mlx-lm"], b[b["config"] == "mlx-lm"]])
+        if not b.empty:
+            _bench_lines(ax, b)
+        ref = pd.concat([g[g["predictor"] == "mlx-lm"], b[b["config"].str.startswith("mlx-lm")]])
         if not ref.empty:
             ax.scatter(ref["memory_bytes"] / 1e6, ref["tok_s"], marker="*", s=120, color="k", label="mlx-lm resident")
         ax.set_title(f"{key[1]}\n{key[0]}", fontsize=8)
