@@ -401,6 +401,12 @@ def test_the_prediction_pays_sentence_sets_each_install_against_its_own_demand_l
         "oracle 1.62× above, best fitted (probe d1) 1.05× within"
     ) in text
     assert "cpu-only" not in text and "S = 64" not in text  # another device; every expert resident: no question
+    # another fitted predictor faster than the probe: the probe's own best is said beside it,
+    # since the question (and the target) is asked of the probe
+    faster = rows + [row("device", 8, "previous", 241.0, spread=2, depth=3, commit="b")]
+    text = docblocks.prediction_pays(pd.DataFrame(faster), full=False)
+    assert "S = 8: oracle 0.88× below, best fitted (previous d3) 1.00× within, probe (d1) 0.99× within" in text
+    assert "probe (d1) 1.05×" not in text  # where the probe is the best fitted, it is said once
     full = docblocks.prediction_pays(pd.DataFrame(rows), full=True)
     assert "S = 8 (demand 240.0 [235.0, 245.0] tok/s): oracle 210.0 [205.0, 215.0], 0.88× below" in full
     assert "No gate C run of `olmoe-wide-trained` on a GPU" in docblocks.prediction_pays(pd.DataFrame(rows[-1:]), False)

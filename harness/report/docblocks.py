@@ -267,17 +267,19 @@ def prediction_pays(online: pd.DataFrame, full: bool) -> str:
     for (chip, pset), group in sorted(df.groupby(["chip", "prompt_set"]), key=lambda kv: kv[0]):
         for install, g in install_panels(group):
             parts = []
-            for s, at in answer_rows(g).groupby("slots"):
+            for s, at in answer_rows(g, probe=True).groupby("slots"):
                 kinds = {r["kind"]: r for r in at.to_dict("records")}
                 demand = kinds.pop("demand", None)
                 if demand is None or not kinds:
                     continue
                 said = []
-                for kind in ("oracle", "best fitted"):
+                for kind in ("oracle", "best fitted", "probe"):
                     if kind not in kinds:
                         continue
                     r = kinds[kind]
                     what = kind
+                    if kind == "probe":  # the probe's best, where another fitted predictor beat it
+                        what += f" (d{r['depth']:g}" + (f" q{r['min_prob']:g}" if r["min_prob"] else "") + ")"
                     if kind == "best fitted":
                         floor = f" q{r['min_prob']:g}" if r["min_prob"] else ""
                         what += f" ({r['predictor']} d{r['depth']:g}{floor})"
@@ -290,8 +292,9 @@ def prediction_pays(online: pd.DataFrame, full: bool) -> str:
                 out.append(f"`{install}` install, {pset} prompts ({chip}): " + "; ".join(parts))
     if not out:
         return f"No gate C run of `{PAYS_MODEL}` on a GPU is recorded yet (`scripts/device_gpu.sh OUT wide`)."
-    lead = (f"Gate C of `{PAYS_MODEL}` on a GPU: the oracle at its best depth and the fitted predictor "
-            "fastest at each S, as multiples of demand loading's tok/s in the same run (medians of "
+    lead = (f"Gate C of `{PAYS_MODEL}` on a GPU: the oracle at its best depth, the fitted predictor "
+            "fastest at each S and the probe's best where that is another, as multiples of demand "
+            "loading's tok/s in the same run (medians of "
             "interleaved repetitions"
             + (", [min, max]" if full else "")
             + "; above or below: outside both spreads; within: inside them). ")  # fmt: skip

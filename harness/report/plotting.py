@@ -476,11 +476,12 @@ SPLIT_PARTS = (
 ANSWER_KINDS = (("demand", "C0"), ("best fitted", "C1"), ("oracle", "k"))
 
 
-def answer_rows(g):
+def answer_rows(g, probe=False):
     """One panel's bars (one machine, model and prompt set of the gate C table): at each S < E,
     demand loading, the fitted predictor with the highest median tok/s at that S (any depth and
     floor) and the best oracle depth; each with the ms-per-token parts its record has and `other`,
-    the rest of its median token."""
+    the rest of its median token. `probe`: also the probe's best configuration (kind "probe"),
+    the predictor the paper's question is asked of, where another fitted predictor was faster."""
     engine, _ = _current_install(g[g["predictor"] != "mlx-lm"])
     rows = []
     for s in sorted(x for x in engine["slots"].unique() if x < engine["experts"].max()):
@@ -489,8 +490,13 @@ def answer_rows(g):
             "demand": at[at["predictor"] == "none"],
             "best fitted": at[at["predictor"].isin(FITTED)],
             "oracle": at[at["predictor"] == "oracle"],
+            "probe": at[at["predictor"] == "probe"],
         }
-        for kind, _ in ANSWER_KINDS:
+        kinds = [k for k, _ in ANSWER_KINDS]
+        if probe and not picks["best fitted"].empty:
+            best = picks["best fitted"].loc[picks["best fitted"]["tok_s"].idxmax(), "predictor"]
+            kinds += ["probe"] if best != "probe" else []
+        for kind in kinds:
             if picks[kind].empty:
                 continue
             r = picks[kind].loc[picks[kind]["tok_s"].idxmax()]
