@@ -260,7 +260,7 @@ def prediction_pays(online: pd.DataFrame, full: bool) -> str:
     panel per install path and prompt set: demand loading, the best fitted predictor and the best
     oracle depth at each S < E), each against demand loading in the same run, by their spreads.
     `full` gives every figure with its range (docs/gpu.md); otherwise ratios only (the README)."""
-    from .plotting import answer_rows, install_panels  # matplotlib's import only where it is needed
+    from .plotting import answer_rows, depth_floor, install_panels  # matplotlib's import only where needed
 
     df = online[(online["device"] == "gpu") & (online["model"] == PAYS_MODEL) & (online["tier"] == "page_cache")]
     out = []
@@ -279,10 +279,9 @@ def prediction_pays(online: pd.DataFrame, full: bool) -> str:
                     r = kinds[kind]
                     what = kind
                     if kind == "probe":  # the probe's best, where another fitted predictor beat it
-                        what += f" (d{r['depth']:g}" + (f" q{r['min_prob']:g}" if r["min_prob"] else "") + ")"
+                        what += f" ({depth_floor(r)})"
                     if kind == "best fitted":
-                        floor = f" q{r['min_prob']:g}" if r["min_prob"] else ""
-                        what += f" ({r['predictor']} d{r['depth']:g}{floor})"
+                        what += f" ({r['predictor']} {depth_floor(r)})"
                     fig = f" {r['tok_s']:.1f} [{r['tok_s_min']:.1f}, {r['tok_s_max']:.1f}]," if full else ""
                     said.append(f"{what}{fig} {r['tok_s'] / demand['tok_s']:.2f}× {_against(r, demand)}")
                 head = f"S = {s:g}" + (f" (demand {demand['tok_s']:.1f} [{demand['tok_s_min']:.1f}, "

@@ -13,6 +13,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .tables import bench as bench_tables  # noqa: E402
+
 LINES = {"none": "-", "popularity": ":", "previous": "-.", "transition": "--", "probe": (0, (5, 1)), "oracle": "-"}
 # One colour per predictor and per placement strategy, the same in every figure.
 COLORS = {
@@ -395,21 +397,17 @@ def _bench_memory(figdir):
     wide = wide[wide["memory_bytes"].notna()]
     # the widest run (most configurations), the latest of those: a quick run of one S beside a
     # sweep is the sweep's footnote, not its replacement
-    size = wide.groupby(["machine", "model", "run_id"])["config"].transform("size")
-    wide = wide.assign(rank=size.astype(str).str.zfill(4) + wide["run_id"])
-    best = wide.groupby(["machine", "model"])["rank"].transform("max")
-    return wide[wide["rank"] == best].reindex(columns=cols)
+    runs = wide.groupby(["machine", "model", "run_id"]).size().reset_index(name="n")
+    widest = runs.sort_values(["n", "run_id"]).groupby(["machine", "model"]).tail(1)
+    return wide.merge(widest[["machine", "model", "run_id"]]).reindex(columns=cols)
 
 
-# A bench configuration's name: S=16/device@mlx-lm is S = 16 on the device install through mlx-lm's
-# generate_step; S=E is resident decoding by the engine, mlx-lm mlx-lm's own.
-BENCH_CONFIG = r"^S=(?P<slots>\d+|E)(?:/(?P<install>[a-z-]+))?(?P<loop>@mlx-lm)?$"
-INSTALL_COLORS = {"device": "C5", "pinned": "C9", "inplace": "C6", "copy": "C7", "staged": "C8"}
+INSTALL_COLORS = {"device": "C5", "pinned": "C9", "inplace": "C6", "copy": "C7"}
 
 
 def _bench_lines(ax, b):
     """One line per install path of one bench run, S ascending and ending at the run's S = E."""
-    parsed = b["config"].str.extract(BENCH_CONFIG)
+    parsed = b["config"].str.extract(bench_tables.CONFIG)
     b = b.assign(slots=parsed["slots"], install=parsed["install"].fillna(""), loop=parsed["loop"].fillna(""))
     full, offloaded = b[b["slots"] == "E"], b[b["slots"].notna() & (b["slots"] != "E")]
     if offloaded.empty:  # a run of resident decoding alone: its points
@@ -476,6 +474,11 @@ SPLIT_PARTS = (
 ANSWER_KINDS = (("demand", "C0"), ("best fitted", "C1"), ("oracle", "k"))
 
 
+def depth_floor(r) -> str:
+    """A fitted configuration's depth and confidence floor, as the figures and sentences name it."""
+    return f"d{r['depth']:g}" + (f" q{r['min_prob']:g}" if r["min_prob"] else "")
+
+
 def answer_rows(g, probe=False):
     """One panel's bars (one machine, model and prompt set of the gate C table): at each S < E,
     demand loading, the fitted predictor with the highest median tok/s at that S (any depth and
@@ -537,7 +540,7 @@ def prediction_pays(figdir, trained):
             err = _err(pd.DataFrame([r]), "tok_s")
             ax.bar(x, r["tok_s"], 0.25, yerr=err, capsize=2, color=colors[r["kind"]], alpha=0.8, label=r["kind"])
             if r["kind"] == "best fitted":
-                name = f"{r['predictor']} d{r['depth']:g}" + (f" q{r['min_prob']:g}" if r["min_prob"] else "")
+                name = f"{r['predictor']} {depth_floor(r)}"
                 top = r["tok_s_max"] if pd.notna(r.get("tok_s_max")) else r["tok_s"]
                 ax.text(x, top, name, rotation=90, fontsize=6, ha="center", va="bottom")
             bottom = 0.0

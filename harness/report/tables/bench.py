@@ -1,5 +1,6 @@
 """The engine-core benchmarks (`harness bench`): one row per figure, each a ratio measured in one run."""
 
+import re
 import statistics
 
 import pandas as pd
@@ -22,6 +23,11 @@ def throughput_key(rec):
         return f"{k}{loop}"
 
     return key
+
+
+# throughput_key's names read back: S=16/device@mlx-lm is S = 16 on the device install through
+# mlx-lm's generate_step; S=E is resident decoding by the engine (mlx-lm's own is `mlx-lm`).
+CONFIG = re.compile(r"^S=(?P<slots>\d+|E)(?:/(?P<install>[a-z-]+))?(?P<loop>@mlx-lm)?$")
 
 
 def paired_figures(key: str, ratios: dict) -> dict:
