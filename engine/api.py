@@ -3,11 +3,11 @@
 import dataclasses
 import sys
 
-from . import device, memory
+from . import memory
 from .config import EngineConfig
 from .models import registry
 from .models.anatomy import moe_blocks, top_k_of
-from .runtime import prefetch
+from .runtime import installs, prefetch
 from .runtime.engine import Engine
 from .tracing import fitting
 
@@ -67,13 +67,11 @@ def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **o
         raise TypeError("give either config or EngineConfig fields as keywords, not both")
     check(model_id, config)
     model, tokenizer, spec, path = registry.load(model_id, lazy=True)
-    plan = None
+    plan = install = None
     if config.memory is not None:
         if config.slots is not None:
             raise ValueError("give either slots or a memory budget, not both")
-        top_k = top_k_of(model, moe_blocks(model)[0]) or 1
-        plan = memory.plan(model, config.memory, top_k, config.context, device.resolve_install(config.install),
-                           config.readers, config.staging_records)  # fmt: skip
+        plan, install = plan_memory(model, config)
         print(f"[titan] {plan.describe()}", file=sys.stderr, flush=True)
         config = dataclasses.replace(config, slots=plan.slots)
     if prefetcher is None and config.predictor != "none":
@@ -88,6 +86,22 @@ def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **o
             config.min_prob,
         )
         prefetcher = prefetch.make(config.predictor, config.depth, pred)
-    eng = Engine(model, tokenizer, spec, path, config, prefetcher)
+    eng = Engine(model, tokenizer, spec, path, config, prefetcher, install)
     eng.plan = plan
     return eng
+
+
+def plan_memory(model, config: EngineConfig):
+    """The slots a memory budget holds, planned with the install that will run (installs.choose):
+    (memory.Plan, the install class)."""
+    top_k = top_k_of(model, moe_blocks(model)[0]) or 1
+    tier = memory.host_tier_bytes(model)
+    install = installs.choose(config.install, tier)
+    sizes = dict(context=config.context, readers=config.readers, staging_records=config.staging_records)
+    plan = memory.plan(model, config.memory, top_k, install, **sizes)
+    if plan.slots == plan.experts:  # every expert fits: the install for a full table, if that fits too
+        full = installs.choose(config.install, tier, full=True)
+        again = memory.plan(model, config.memory, top_k, full, **sizes) if full is not install else plan
+        if again.slots == again.experts:
+            plan, install = again, full
+    return plan, install

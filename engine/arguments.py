@@ -5,7 +5,7 @@ rather than a traceback."""
 import argparse
 
 from .api import SEED_MAX
-from .cudart import CudaError
+from .device import CudaError
 from .memory import parse_size
 from .models.embedded import BuildError
 from .models.registry import RegistryError

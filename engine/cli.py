@@ -26,6 +26,7 @@ from .memory import fmt
 from .models import embedded, registry, train
 from .models.anatomy import expert_params, moe_blocks, top_k_of
 from .predict import predictors, prompts
+from .runtime import installs
 from .runtime import store as store_mod
 from .runtime.engine import open_store, store_dir
 from .runtime.loop import MemoryWatch, decode, summarize
@@ -54,7 +55,7 @@ def add_engine_args(p):
     )
     p.add_argument(
         "--install",
-        choices=["auto", "inplace", "copy", "pinned", "device"],
+        choices=installs.CHOICES,
         default="auto",
         help="inplace: reads land in slot memory (pinned on a GPU); copy: NumPy record, mx.array, lazy buffer write; "
         "pinned: pinned staging and a copy kernel (CUDA); device: every expert in pinned host memory "
@@ -217,11 +218,11 @@ def cmd_decode(a):
             return
         hr = "n/a (all resident)" if s.get("hit_rate") is None else f"{s['hit_rate']:.3f}"
         print(
-            f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.install}: "
+            f"{a.model} S={eng.slots}/{eng.num_experts} tier={a.tier} install={eng.install.name}: "
             f"{s['tok_s']:.2f} tok/s over {s['tokens']} tokens, hit rate {hr}, "
             f"{s['bytes_read_per_token'] / 1e6:.2f} MB read/token, stall {1e3 * s['stall_s_per_token']:.2f} ms/token"
         )
-        if s.get("misses") and eng.install == "device":
+        if s.get("misses") and not eng.install.host_reads:
             print("per miss: read by the device from the host tier, inside the token's graph (no host work to split)")
         elif s.get("misses"):
             print(

@@ -43,19 +43,11 @@ def build_lock(out: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def resolved_overlap(overlap: bool | None, install: str) -> bool:
-    """`EngineConfig.overlap` for an install: as asked, or by default on for the host installs (a
-    layer's compute starts at once) and off for the device install, whose prefetches then queue on
-    the decode stream: on the H200 a stream of their own cost more host time per token than their
-    reads overlapped (0.40-0.45x of resident against 0.54-0.56x for the oracle at S = 16, docs/gpu.md)."""
-    return (install != "device") if overlap is None else overlap
-
-
 @dataclass
 class EngineConfig:
     slots: int | None = None  # None: every expert resident (S = E)
     tier: str = "page_cache"
-    install: str = "auto"  # inplace on the CPU, device on a CUDA GPU (engine.device says why)
+    install: str = "auto"  # inplace on the CPU, device on a CUDA GPU (runtime.installs.choose says why)
     sync: str = "batched"  # or per_miss: the paper's first version, for its ablation
     readers: int = 4
     eviction: str = "lru"
@@ -69,7 +61,10 @@ class EngineConfig:
     staging_records: int = 64  # pinned install: host records in the staging pool (8 to 256)
     # True: start each MoE layer's compute at once (async) rather than at the next sync, and with the
     # device install prefetch on a stream of its own rather than on the decode stream. None: what
-    # measured faster for the install (resolved_overlap)
+    # measured faster for the install (installs.Install.overlap_default)
     overlap: bool | None = None
+    # The device install: a many-rows call whose rows name at least E choices copies the next
+    # layer's area during its compute (device.DeviceCache). None: the install's default (on)
+    area_ahead: bool | None = None
     memory: int | None = None  # a memory budget in bytes instead of `slots` (engine.memory picks S)
     context: int = 4096  # tokens of KV cache the memory budget keeps room for

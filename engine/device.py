@@ -1,4 +1,5 @@
-"""What differs between MLX's CPU and CUDA backends, in one place.
+"""What differs between MLX's CPU and CUDA backends, in one place, and the one way to the CUDA
+runtime (engine.cudart, which nothing else imports).
 
 On the CPU an evaluated array's memory is plain host memory: a `preadv` can land in a slot
 through a NumPy view (`inplace`), the cheapest install. On an NVIDIA GPU (MLX 0.32's CUDA
@@ -7,15 +8,20 @@ backend) an array computed on the device lives in device memory, and any host vi
 good; the kernels then read the slot table from managed memory, and every host write into a
 slot migrates its pages back and forth by page faults. So on the GPU the engine never takes a
 host view of a slot table: it installs through pinned staging records and a copy kernel
-(`pinned`, engine.staging), or, where that cannot run, by `copy` (a NumPy record, `mx.array`,
-`buffer[slot] = array` on the device). `bench install` and `bench miss` measure them.
+(`pinned`, engine.staging), keeps every expert in pinned host memory for the `device` install,
+or, where neither can run, installs by `copy` (a NumPy record, `mx.array`, `buffer[slot] =
+array` on the device). Which install runs is chosen once, by engine.runtime.installs.choose.
 """
 
 import sys
 
 import mlx.core as mx
+import numpy as np
 
 from . import cudart
+
+CudaError = cudart.CudaError  # a CUDA path cannot run here
+Registration = cudart.Registration  # host memory registered as mapped pinned memory (staging, the host tier)
 
 _SAID = set()
 
@@ -25,28 +31,15 @@ def kind() -> str:
     return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
 
 
-def rows_alike(device_kind: str | None = None) -> bool:
-    """Whether MLX computes each (row, expert) pair of `gather_qmm` alike whatever else the call
-    holds, so that a prefill may hand it fewer pairs than mlx-lm does and stay bit-exact
-    (moe.prefill_calls). On the CPU it does (tests/test_exactness.py pins it). On CUDA the kernel
-    depends on the call's number of pairs (`GatherQMM::eval_gpu`: a vector kernel below eight, a
-    tiled one from eight), and on Metal on pairs per expert of the weight stack; there the engine
-    keeps mlx-lm's shapes."""
-    return (device_kind or kind()) == "cpu"
-
-
 def pinned_unavailable() -> str | None:
-    """Why the pinned install path cannot run here (None: it can)."""
+    """Why the engine's own CUDA kernels (the pinned and device installs) cannot run here (None:
+    they can)."""
     return cudart.unavailable_reason()
 
 
-def default_install(device_kind: str | None = None) -> str:
-    """The install mode `auto` resolves to on this device: on a CUDA GPU the `device` install
-    (engine.runtime.devicemap: no host synchronisation inside a token), which the engine swaps for
-    `pinned` where its host tier does not fit (runtime.engine.Engine)."""
-    if (device_kind or kind()) != "gpu":
-        return "inplace"
-    return "copy" if pinned_unavailable() else "device"
+def cuda_runtime() -> cudart.CudaRuntime:
+    """The few CUDA runtime calls the engine makes itself (registration, the benches' floors)."""
+    return cudart.runtime()
 
 
 def one_array(device_kind: str | None = None) -> bool:
@@ -54,35 +47,41 @@ def one_array(device_kind: str | None = None) -> bool:
     return (device_kind or kind()) == "gpu"
 
 
-def _say(msg: str):
+def say(msg: str):
+    """A note on stderr, once a process (a fallback the user should know of)."""
     if msg not in _SAID:
         _SAID.add(msg)
         print(f"[titan] {msg}", file=sys.stderr, flush=True)
 
 
-def resolve_install(mode: str, device_kind: str | None = None) -> str:
-    """The install mode that runs: `auto` per device; `pinned` where it cannot run says why and
-    falls back to what `auto` would pick without it; `inplace` on a GPU says why and is `pinned`
-    (or what `pinned` falls back to), as `pinned` on the CPU is `inplace`."""
-    if mode == "auto":
-        chosen = default_install(device_kind)
-        if (device_kind or kind()) == "gpu" and chosen == "copy":
-            _say(f"install auto: copy, since the pinned path cannot run: {pinned_unavailable()}")
-        return chosen
-    if mode == "device":
-        return mode  # the same bookkeeping runs as MLX operations where the kernels cannot
-    if mode == "inplace" and (device_kind or kind()) == "gpu":
-        # A host view of a slot table moves it to managed memory for good (module docstring): reader
-        # threads would then write into pages the device is reading. The suite's one unexplained
-        # device fault of 2026-12-04 was on this path (docs/gpu.md).
-        _say("install inplace takes host views of the slot tables, which a GPU cannot share; using pinned")
-        return resolve_install("pinned", device_kind)
-    if mode == "pinned":
-        if (device_kind or kind()) != "gpu":
-            _say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")
-            return "inplace"
-        why = pinned_unavailable()
-        if why:
-            _say(f"install pinned cannot run: {why}; using copy")
-            return "copy"
-    return mode
+SMALL_POOL_BYTES = 8  # MLX's CUDA allocator serves an allocation this size or smaller from its small pool
+INDEX_BLOCK_BYTES = 16  # the least a host-made index array the device reads is given
+
+
+def index_block(values, dtype=np.uint32) -> np.ndarray:
+    """`values` flat, as `dtype`, in a host array of at least INDEX_BLOCK_BYTES (zeros after them)."""
+    a = np.ascontiguousarray(values, dtype).reshape(-1)
+    if a.nbytes > SMALL_POOL_BYTES:
+        return a
+    block = np.zeros(INDEX_BLOCK_BYTES // a.itemsize, dtype)
+    block[: a.size] = a
+    return block
+
+
+def device_indices(values, dtype=np.uint32) -> mx.array:
+    """Indices, addresses or masks made on the host for the device to read (a layer's slots, a
+    batch's staging records, a step's tokens, a staging area's address, a prefill's row mask) as
+    an MLX array of `dtype` and `values`' shape.
+
+    Never in MLX's CUDA small pool, which serves every allocation of 8 bytes or fewer: on the
+    H200 (mlx 0.32.4), after tests that cleared MLX's cache (`mx.clear_cache`, which mlx-lm's
+    generate_step calls) on several streams, decoding with slot indices of 8 uint8s ended in an
+    illegal memory access (4 processes of 4); with the indices as uint32 (32 bytes) the same
+    order passed, as it did without the cache clearing, with one stream or with blocking
+    launches, and more synchronisation did not help (docs/gpu.md). A smaller array is a view of
+    a 16-byte block, so that its buffer is never the pool's either."""
+    a = np.ascontiguousarray(values, dtype)
+    block = index_block(a, dtype)
+    if block.size == a.size:
+        return mx.array(a)  # in its shape: no reshape on the decode path
+    return mx.array(block)[: a.size].reshape(a.shape)

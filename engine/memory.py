@@ -4,8 +4,9 @@ fit beside everything else the engine needs, from the model's own sizes.
 The budget holds: the weights that are not experts (attention, norms, routers, embeddings,
 shared experts, dense layers: all of them read from the lazily loaded model), the KV cache for
 the requested context (from the model's attention shapes), the buffers reads go through (host
-records in copy mode, the staging pool in pinned mode), a margin for activations and MLX's
-temporaries, and then S slots of every MoE layer's experts, the same S in every layer. A budget
+records in copy mode, the staging pool in pinned mode), the many-rows area (where a prompt's rows
+meet a layer's experts: one layer's worth, two for the device install), a margin for activations
+and MLX's temporaries, and then S slots of every MoE layer's experts, the same S in every layer. A budget
 that cannot hold the fixed part plus top-k slots per layer is refused, naming what it needed.
 """
 
@@ -45,7 +46,9 @@ class Plan:
     weights: int  # everything that is not an expert
     kv_cache: int
     buffers: int
+    area: int  # the many-rows area (engine.runtime.moe)
     margin: int
+    install: str = ""  # the install it was planned for
 
     @property
     def tables(self) -> int:
@@ -53,14 +56,15 @@ class Plan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.buffers + self.margin + self.tables
+        return self.weights + self.kv_cache + self.buffers + self.area + self.margin + self.tables
 
     def describe(self) -> str:
         return (
             f"memory budget {fmt(self.budget)}: {self.slots} of {self.experts} experts per MoE layer "
             f"({self.moe_layers} layers x {fmt(self.expert_bytes)} per expert = {fmt(self.tables)}), beside "
             f"weights {fmt(self.weights)}, KV cache {fmt(self.kv_cache)}, read buffers {fmt(self.buffers)}, "
-            f"margin {fmt(self.margin)}: {fmt(self.total)} in all"
+            f"many-rows area {fmt(self.area)}, margin {fmt(self.margin)}: {fmt(self.total)} in all"
+            + (f" (install {self.install})" if self.install else "")
         )
 
 
@@ -91,9 +95,19 @@ def kv_cache_bytes(model, context: int) -> int:
     return int(2 * kv_heads * head_dim * dtype_size * context * layers)
 
 
-def plan(model, budget: int, top_k: int, context: int = 4096, install: str = "inplace", readers: int = 4,
+def host_tier_bytes(model) -> int:
+    """What the device install's host tier of `model` takes: every expert, in page-aligned records."""
+    blocks = moe_blocks(model)
+    per_layer = [expert_params(b.switch) for b in blocks]
+    experts = sum(p[0][1].shape[0] for p in per_layer)
+    expert_bytes = max(sum(a.nbytes for _, a in p) // p[0][1].shape[0] for p in per_layer)
+    return experts * (-(-expert_bytes // 4096) * 4096)
+
+
+def plan(model, budget: int, top_k: int, install, context: int = 4096, readers: int = 4,
          staging_records: int = 64) -> Plan:  # fmt: skip
-    """The largest S, the same in every MoE layer, whose engine fits in `budget` bytes."""
+    """The largest S, the same in every MoE layer, whose engine fits in `budget` bytes with
+    `install` (an install class, engine.runtime.installs: its buffers and area)."""
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError("the model has no MoE layer: a memory budget has no experts to offload")
@@ -104,21 +118,22 @@ def plan(model, budget: int, top_k: int, context: int = 4096, install: str = "in
     weights = sum(a.nbytes for _, a in tree_flatten(model.parameters())) - expert_total
     kv = kv_cache_bytes(model, context)
     record = -(-expert_bytes // 4096) * 4096
-    # the device install's host tier is host memory, not the device's: no read buffer here
-    buffers = {"pinned": staging_records * record, "copy": 2 * max(readers, 8) * record, "device": 0}.get(
-        install, readers * record
-    )
+    buffers = install.buffer_bytes(record, readers, staging_records)
+    area = install.area_bytes(experts, expert_bytes)
     margin = max(2 << 20, (weights + kv) // 10)  # activations and MLX's temporaries
     fixed = weights + kv + buffers + margin
-    room = budget - fixed
+    room = budget - fixed - area
     slots = min(experts, room // (len(blocks) * expert_bytes)) if room > 0 else 0
-    p = Plan(budget, int(slots), experts, top_k, len(blocks), expert_bytes, weights, kv, buffers, margin)
+    if slots == experts:  # every expert resident: no many-rows call, no area
+        area = 0
+    p = Plan(budget, int(slots), experts, top_k, len(blocks), expert_bytes, weights, kv, buffers, area, margin,
+             install.name)  # fmt: skip
     if slots < top_k:
-        need = fixed + top_k * len(blocks) * expert_bytes
+        need = fixed + area + top_k * len(blocks) * expert_bytes
         raise ValueError(
-            f"--memory {fmt(budget)} cannot hold this model: the part that is not experts takes {fmt(fixed)} "
+            f"--memory {fmt(budget)} cannot hold this model: the part that is not experts takes {fmt(fixed + area)} "
             f"(weights {fmt(weights)}, KV cache for {context} tokens {fmt(kv)}, read buffers {fmt(buffers)}, "
-            f"margin {fmt(margin)}) and every token needs its top-{top_k} experts resident in each of "
-            f"{len(blocks)} MoE layers: at least {fmt(need)}"
+            f"the many-rows area {fmt(area)} for the {install.name} install, margin {fmt(margin)}) and every "
+            f"token needs its top-{top_k} experts resident in each of {len(blocks)} MoE layers: at least {fmt(need)}"
         )
     return p

@@ -4,7 +4,8 @@
   mlx-lm on the same model, prompt and loop, interleaved;
 - `miss`: the per-miss cost of the engine's read path against a raw `os.preadv` of the same
   bytes into a preallocated buffer;
-- `install`: the cost of installing one expert into a table of 8 and of 64 slots.
+- `install`: the cost of installing one expert into a table of 8 and of 64 slots;
+- `prefill`, `batch`: many rows through a layer at once (harness.manyrows).
 
 Speed is reported, never asserted: the machines are noisy.
 """
@@ -21,24 +22,26 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from engine import api, cudart, device, load
+from engine import api, device, load
 from engine.arguments import positive, probability
-from engine.config import EngineConfig, resolved_overlap
+from engine.config import EngineConfig
 from engine.models import registry
 from engine.predict import prompts
 from engine.predict.predictors import FITTED
-from engine.runtime import staging
+from engine.runtime import installs
 from engine.runtime.engine import build_cache, open_store
 from engine.runtime.installs import records_to_mx
 from engine.runtime.loop import call_split, decode, model_bytes, summarize, time_split, totals
 from engine.runtime.slots import SlotTable
+from engine.runtime.store import aligned_empty
 from engine.tracing import trace
 
-from . import provenance, rawlog, servebench
+from . import manyrows, provenance, rawlog, servebench
+from .design import HOST_VIEWS
 from .report.tables.common import paired
 
 DEFAULT_MODEL = {"throughput": "olmoe-tiny-f32", "prefetch": "olmoe-tiny-f32", "serve": "olmoe-tiny-f32"}
-# --overlap: the settings to run (None: the engine's default for the install, config.resolved_overlap)
+# --overlap: the settings to run (None: the engine's default for the install, Install.overlap_default)
 OVERLAPS = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
 
 
@@ -47,7 +50,7 @@ def model_of(a) -> str:
 
 
 def add_args(p):
-    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch", "serve"])
+    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch", "serve", "prefill", "batch"])
     p.add_argument(
         "--model",
         default=None,
@@ -68,8 +71,24 @@ def add_args(p):
         "--installs",
         nargs="*",
         default=None,
-        choices=["auto", "inplace", "copy", "pinned", "device"],
-        help="throughput: install modes to run each --slots at (default: auto)",
+        choices=installs.CHOICES,
+        help="throughput, prefill, batch: install modes to run each --slots at (default: auto)",
+    )
+    p.add_argument(
+        "--lengths",
+        type=positive,
+        nargs="+",
+        default=[128, 512, 2048, 8192],
+        help="prefill: prompt lengths in tokens (each capped at the model's context)",
+    )
+    p.add_argument("--batches", type=positive, nargs="+", default=[1, 4, 16], help="batch: sequences at once")
+    p.add_argument(
+        "--area-ahead",
+        choices=list(manyrows.AHEAD),
+        default="auto",
+        help="prefill, batch: with the device install, copy the next layer's area during a prompt's "
+        "layer (on, suffix /ahead), only the rows' experts, layer by layer (off, suffix /union), "
+        "both, or the engine's default (auto)",
     )
     p.add_argument(
         "--resident",
@@ -90,7 +109,7 @@ def add_args(p):
     p.add_argument(
         "--install",
         default="auto",
-        choices=["auto", "inplace", "copy", "pinned", "device"],
+        choices=installs.CHOICES,
         help="prefetch: install mode of every engine",
     )
     p.add_argument(
@@ -191,7 +210,7 @@ def throughput(a):
         for k, e in engines.items()
         if k != "S=E"
     }
-    installs_used = {k: e.install for k, e in engines.items()}
+    installs_used = {k: e.install.name for k, e in engines.items()}
     for e in engines.values():
         e.close()
     res = {k: _median(v) for k, v in runs.items()}
@@ -211,7 +230,7 @@ def throughput(a):
         prefill_tok_s_spread={k: _spread([p[0] for p in v]) for k, v in prefill.items()},
         prefill_bytes_read={k: _median([p[1] for p in v]) for k, v in prefill.items() if v[0][1] is not None},
         loop=loop,
-        host_tier_bytes={k: e.cache.tier.nbytes for k, e in engines.items() if e.install == "device"},
+        host_tier_bytes={k: e.cache.tier.nbytes for k, e in engines.items() if e.cache.tier is not None},
         resident=resident,
         resident_note=why,
         ratio_engine_full_vs_mlx_lm=res["S=E"] / res["mlx-lm"] if resident else None,
@@ -294,9 +313,9 @@ class _PinnedFloor:
 
     def __init__(self, store, k, pool):
 
-        self.rt, self.store, self.pool = staging.runtime(), store, pool
-        self.host = staging.aligned_empty(k * store.record_bytes).reshape(k, store.record_bytes)
-        self.registration = cudart.Registration(self.host, self.rt)
+        self.rt, self.store, self.pool = device.cuda_runtime(), store, pool
+        self.host = aligned_empty(k * store.record_bytes).reshape(k, store.record_bytes)
+        self.registration = device.Registration(self.host, self.rt)
         self.dev = self.rt.malloc(self.host.nbytes)
 
     def run(self, layer, experts):
@@ -351,7 +370,7 @@ def miss(a):
             install = "inplace" if m.startswith("inplace") else m
             S = max(k, 8)
             caches[m] = build_cache(
-                stores[int(m[9:])] if m.startswith("inplace") else store, S, install=install, layers=[0]
+                stores[int(m[9:])] if m.startswith("inplace") else store, S, EngineConfig(install=install), layers=[0]
             )
             tables[m] = caches[m].tables[0]
         res = {
@@ -384,7 +403,7 @@ def miss(a):
                 cache.stats.reset()
                 t0 = time.perf_counter()
                 cache.read_misses(0, batch, protected=set(batch))
-                if t.install_mode != "inplace":
+                if not t.host_views:
                     mx.eval(t.buffers)  # the lazy install, so that its cost is counted here
                 wall = (time.perf_counter() - t0) / k
                 res[f"engine_{m}"].append(wall)
@@ -438,7 +457,7 @@ def _install_diagnosis(store, block, S, repeats):
     the same for one array holding eight experts. Medians in ms per expert."""
 
     E = store.num_experts(0)
-    t = SlotTable(0, E, S, store.tensors, install="copy")
+    t = SlotTable(0, E, S, store.tensors, host_views=False)
     ts = store.tensors
 
     def arrays(e):  # one MLX array per tensor (the CPU's copy path)
@@ -507,12 +526,12 @@ def install(a):
     per = {}
     for S in (8, 64):
         for mode in ("inplace", "copy"):
-            t = SlotTable(0, E, S, store.tensors, install=mode)
+            t = SlotTable(0, E, S, store.tensors, host_views=HOST_VIEWS[mode])
             times = []
             for i in range(a.repeats * 8):
                 e, slot = i % 8, (i * 7) % S
                 t0 = time.perf_counter()
-                if mode == "inplace":
+                if t.host_views:
                     for d, v in zip(t.dests(slot), views[e]):
                         d[:] = v.reshape(-1).view(np.uint8)
                 else:
@@ -603,12 +622,13 @@ def prefetch_bench(a):
             eng.bind_oracle(sets)
             _, recs, _ = decode(eng.model, ids, a.tokens, pipelined=True)  # as mlx-lm's generate_step
             per_prompt[c].append(dict(totals(recs), split=time_split(recs), calls=call_split(recs)))
-    installs = {c: e.install for c, e in engines.items()}
+    installs = {c: e.install.name for c, e in engines.items()}
+    overlaps_run = {c: e.install.overlap(e.config) for c, e in engines.items()}  # the row says where it ran
     for eng in engines.values():
         eng.close()
     table = {}
     for (name, d, q, asked), runs in per_prompt.items():
-        ov = resolved_overlap(asked, installs[(name, d, q, asked)])  # the row says where it ran
+        ov = overlaps_run[(name, d, q, asked)]
         tok_s = [r["tokens"] / r["seconds"] for r in runs]
         stall = [1e3 * r["stall_s"] / r["tokens"] for r in runs]
         tot = {k: sum(r[k] for r in runs) for k in counts}
@@ -697,7 +717,9 @@ def check_args(a):
         api.check(model, EngineConfig(slots=s))
     for d in a.depths:
         api.check_prediction(shape, d, None, depth_option="--depths")
-    if a.which not in ("throughput", "prefetch", "serve"):
+    if a.which == "prefill":
+        return  # its lengths are capped at the model's context
+    if a.which not in ("throughput", "prefetch", "serve", "batch"):
         return
     api.check_context(model, a.prompt_tokens or 1, a.tokens, "--tokens")
 
@@ -705,7 +727,8 @@ def check_args(a):
 def main(a):
     check_args(a)
     started = provenance.utc_now()
-    benches = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench, "serve": serve}
+    benches = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench, "serve": serve,
+               "prefill": manyrows.prefill, "batch": manyrows.batch}  # fmt: skip
     out = benches[a.which](a)
     if a.record:
         cfg = {k: v for k, v in vars(a).items() if k not in ("fn", "record")}

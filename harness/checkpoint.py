@@ -14,6 +14,13 @@ import json
 import os
 from pathlib import Path
 
+from engine.config import resources_dir
+
+
+def scratch_for(output: str) -> Path:
+    """Where the job writing `output` keeps its finished repetitions: one file per output."""
+    return resources_dir() / "partial" / (output.replace("/", "__") + ".json")
+
 
 class Repetitions:
     """The repetitions a sweep has finished: `load()` those an earlier process of the same sweep

@@ -27,6 +27,9 @@ from engine.runtime.slots import SlotTable
 from engine.runtime.store import TensorSpec
 
 GROUP, BITS = 64, 4
+# Gate B's two ways of writing a slot, by the paper's names for them: the store's bytes straight
+# into the slot's memory through a host view, or an MLX array written into the slot.
+HOST_VIEWS = {"inplace": True, "copy": False}
 PARITY_PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
 
 
@@ -68,7 +71,7 @@ def _slot_writer(table, arrays, record, S, mode):
     def write():
         slot = (i[0] * 7) % S
         i[0] += 1
-        if mode == "inplace":
+        if table.host_views:
             for d, r in zip(table.dests(slot), record):
                 np.frombuffer(d, np.uint8)[:] = r
         else:
@@ -86,7 +89,7 @@ def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0):
     tables, writers = [], {}
     for S in slots_list:
         for mode in ("inplace", "copy"):
-            table = SlotTable(0, experts, S, specs, install=mode)
+            table = SlotTable(0, experts, S, specs, host_views=HOST_VIEWS[mode])
             arrays = [mx.array(r).view(getattr(mx, t.dtype)).reshape(t.shape) for r, t in zip(record, specs)]
             mx.eval(arrays)
             tables.append(table)

@@ -240,7 +240,7 @@ def sweep(
             depth=depth,
             min_prob=q,
             prompts=len(rows),
-            install=None if eng is None else eng.install,
+            install=None if eng is None else eng.install.name,
             **summarize_repeats(accs[S, name, depth, q]),
             repeats_resumed=resumed,
         )

@@ -12,6 +12,8 @@
 #   syncfree (the device install beside the pinned one: throughput at S = 8, 16, 32 through
 #   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch), oracle (that
 #   prefetch alone, on a stream of its own and on the decode stream, 5 prompts; needs build),
+#   manyrows (bench prefill and bench batch: the device install at S = 8, 16, 32 with and without the
+#   next layer's area copied ahead, and pinned at S = 16, each beside resident; needs build),
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
 #   decodes of the full-size model, with MLX's CUDA graphs and without; needs build; no record),
@@ -134,6 +136,14 @@ for step in "$@"; do
     oracle)  # the syncfree step's prefetch alone: the oracle's fills on their own stream and on the decode stream
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
+    manyrows)  # many rows at once (issue 48), each configuration beside resident in the same repeat; needs build
+          run $py -m harness bench prefill --model $full --slots 8 16 32 --installs device --area-ahead both \
+            --repeats 3 --tokens 64 --record
+          run $py -m harness bench batch --model $full --slots 8 16 32 --installs device --area-ahead both \
+            --repeats 3 --tokens 64 --record
+          run $py -m harness bench prefill --model $full --slots 16 --installs pinned --repeats 2 --tokens 64 --record
+          run $py -m harness bench batch --model $full --slots 16 --installs pinned --batches 4 16 --repeats 1 \
+            --tokens 32 --record ;;
     launch) run $py scripts/probe_launch_cost.py ;;
     layer) run $py scripts/probe_layer_cost.py  # needs build
            run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py ;;  # MLX's CUDA graphs' share

@@ -14,8 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a copy of the tree, not installed
-from engine.runtime import devicemap  # noqa: E402
-from engine.runtime.devicemap import Job, MapState  # noqa: E402
+from engine.runtime.device import kernels as devicemap  # noqa: E402
+from engine.runtime.device.kernels import Job  # noqa: E402
+from engine.runtime.device.state import MapState  # noqa: E402
 from engine.runtime.staging import cuda_kernel  # noqa: E402
 
 N = 400

@@ -35,7 +35,9 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a copy of the tree, not installed
 from engine import EngineConfig, device, load  # noqa: E402
-from engine.runtime import devicemap  # noqa: E402
+from engine.runtime import moe  # noqa: E402
+from engine.runtime.device import cache as devicecache  # noqa: E402
+from engine.runtime.device import kernel_source, kernels  # noqa: E402
 from engine.runtime.loop import call_split, decode, totals  # noqa: E402
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else "olmoe-1b-7b-shape"
@@ -54,7 +56,7 @@ def patched(obj, name, value):
         setattr(obj, name, real)
 
 
-def map_only(jobs, tier=None, tensors=(), after=(), stream=None, real=devicemap.step_kernel):
+def map_only(jobs, tier=None, tensors=(), after=(), stream=None, real=kernels.step_kernel):
     return real(jobs, None, (), after, stream)
 
 
@@ -68,7 +70,7 @@ def tiny_kernel(self, layer, inds, ahead=None):
     """The step's launch with the same arrays in and out, and a one-line body."""
     tabs = self.tables[layer]
     names = ("base", "inds", "state", "layer", *(f"t{i}" for i in range(len(tabs))), "after")
-    k = devicemap.cuda_kernel("probe_tiny", names, ("state_o", "remapped"), TINY)
+    k = kernels.cuda_kernel("probe_tiny", names, ("state_o", "remapped"), TINY)
     block = self.states[layer].block
     after = self.after[layer] if self.after[layer] is not None else block
     state, remapped = k(
@@ -76,14 +78,14 @@ def tiny_kernel(self, layer, inds, ahead=None):
         output_shapes=[block.shape, inds.shape], output_dtypes=[mx.int32, mx.uint32], grid=(32, 1, 1),
         threadgroup=(32, 1, 1), template=[("N", inds.size), ("M", block.size), ("S", self.slots[layer])],
     )  # fmt: skip
-    self.states[layer] = devicemap.MapState(state, self.states[layer].E, self.slots[layer])
+    self.states[layer] = state.MapState(state, self.states[layer].E, self.slots[layer])
     return remapped
 
 
 # The step kernel's header from a file NVRTC reads (an absolute #include), so that each launch's
 # source (which MLX builds and hashes at every launch) is its body alone: exact, a candidate.
 HEADER_FILE = Path(tempfile.mkdtemp(prefix="titan-probe-")) / "titan_step.cuh"
-HEADER_FILE.write_text(devicemap.STEP_HEADER)
+HEADER_FILE.write_text(kernel_source.STEP_HEADER)
 
 
 def no_launch(self, layer, inds, ahead=None):
@@ -91,17 +93,19 @@ def no_launch(self, layer, inds, ahead=None):
 
 
 def no_step(self, x, indices):
+    if self._cache.full(self._layer):
+        return self.glu(x, indices)
     return self.glu(x, indices % self._cache.slots[self._layer])
 
 
 VARIANTS = {
     "resident": (None, contextlib.nullcontext),
     "device": (S, contextlib.nullcontext),
-    "map only": (S, lambda: patched(devicemap, "step_kernel", map_only)),
-    "tiny kernel": (S, lambda: patched(devicemap.DeviceCache, "step", tiny_kernel)),
-    "header file": (S, lambda: patched(devicemap, "STEP_HEADER", f'#include "{HEADER_FILE}"\n')),
-    "no launch": (S, lambda: patched(devicemap.DeviceCache, "step", no_launch)),
-    "no step": (S, lambda: patched(devicemap.DeviceSwitchGLU, "__call__", no_step)),
+    "map only": (S, lambda: patched(devicecache, "step_kernel", map_only)),
+    "tiny kernel": (S, lambda: patched(devicecache.DeviceCache, "map_step", tiny_kernel)),
+    "header file": (S, lambda: patched(kernels, "STEP_HEADER", f'#include "{HEADER_FILE}"\n')),
+    "no launch": (S, lambda: patched(devicecache.DeviceCache, "map_step", no_launch)),
+    "no step": (S, lambda: patched(moe.SlotSwitchGLU, "__call__", no_step)),
 }
 
 if device.kind() != "gpu":

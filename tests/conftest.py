@@ -17,9 +17,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from engine import EngineConfig, cudart, device, load  # noqa: E402
+from engine import EngineConfig, device, load  # noqa: E402
 from engine.models.registry import load_reference  # noqa: E402
 from engine.predict import predictors, prompts  # noqa: E402
+from engine.runtime import installs, staging  # noqa: E402
 from engine.runtime.loop import decode  # noqa: E402
 from engine.runtime.prefetch import Prefetcher  # noqa: E402
 from engine.tracing import trace  # noqa: E402
@@ -105,6 +106,16 @@ def reference():
         return cache[key]
 
     return get
+
+
+def force_pinned(monkeypatch):
+    """`install="pinned"` runs the pinned install where there is no CUDA: its staging pool over
+    HostMemory (a lazy gather standing in for the copy kernel)."""
+    real = installs.choose
+    monkeypatch.setattr(
+        installs, "choose", lambda asked, *a, **k: installs.PinnedInstall if asked == "pinned" else real(asked, *a, **k)
+    )
+    monkeypatch.setattr(staging, "make_memory", staging.HostMemory)
 
 
 def run_cli(*args, stdin=None):
@@ -206,7 +217,7 @@ class DeviceWatch:
 def _device_sync():
     gc.collect()
     mx.synchronize()
-    cudart.runtime().synchronize()
+    device.cuda_runtime().synchronize()
 
 
 WATCH = DeviceWatch(_device_sync) if ON_GPU and device.pinned_unavailable() is None else None

@@ -21,31 +21,50 @@ from harness import bench, provenance
 TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
 
 
-def test_auto_install_resolves_per_device(monkeypatch):
-    assert device.resolve_install("auto", "cpu") == "inplace"
-    assert device.resolve_install("copy", "cpu") == "copy"
+def test_the_install_is_chosen_per_device_in_one_place(monkeypatch):
+    def chosen(asked, kind, **kw):
+        return installs.choose(asked, 1, device_kind=kind, **kw).name
+
+    assert chosen("auto", "cpu") == "inplace"
+    assert chosen("copy", "cpu") == "copy"
+    assert chosen("device", "cpu") == "device"  # its steps as MLX operations
     monkeypatch.setattr(device, "pinned_unavailable", lambda: None)  # a CUDA GPU
-    assert device.resolve_install("auto", "gpu") == "device"  # the engine steps back to pinned if it must
-    assert device.resolve_install("pinned", "gpu") == "pinned"
-    assert device.resolve_install("inplace", "gpu") == "pinned"  # no host view of a slot table on a GPU
-    assert device.resolve_install("inplace", "cpu") == "inplace"
+    assert chosen("auto", "gpu") == "device"
+    assert chosen("auto", "gpu", full=True) == "pinned"  # every expert resident: no host tier
+    assert chosen("auto", "gpu", device_ok=False) == "pinned"  # a multi-node run's host tables
+    assert chosen("pinned", "gpu") == "pinned"
+    assert chosen("inplace", "gpu") == "pinned"  # no host view of a slot table on a GPU
+    assert chosen("inplace", "cpu") == "inplace"
     monkeypatch.setattr(device, "pinned_unavailable", lambda: "MLX's GPU here is not CUDA")  # e.g. Apple Silicon
-    assert device.resolve_install("auto", "gpu") == "copy"
-    assert device.resolve_install("pinned", "gpu") == "copy"
-    assert device.resolve_install("inplace", "gpu") == "copy"
+    assert chosen("auto", "gpu") == "copy"
+    assert chosen("pinned", "gpu") == "copy"
+    assert chosen("inplace", "gpu") == "copy"
+    with pytest.raises(ValueError, match="no install 'fast'"):
+        installs.choose("fast", 1)
+
+
+def test_auto_steps_back_to_pinned_where_the_host_tier_does_not_fit_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
+    monkeypatch.setattr(device, "_SAID", set())
+    monkeypatch.setattr(installs.hosttier, "available_bytes", lambda: 10**9)
+    assert installs.choose("auto", 5 * 10**9, device_kind="gpu") is installs.PinnedInstall
+    assert "install auto: pinned, not device: its host tier (5.00 GB) does not fit" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--install device cannot run here: its host tier"):
+        installs.choose("device", 5 * 10**9, device_kind="gpu")
 
 
 def test_inplace_on_a_gpu_says_why_it_is_pinned(monkeypatch, capsys):
     monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
     monkeypatch.setattr(device, "_SAID", set())
-    assert device.resolve_install("inplace", "gpu") == "pinned"
+    assert installs.choose("inplace", 1, device_kind="gpu") is installs.PinnedInstall
     assert "install inplace takes host views of the slot tables" in capsys.readouterr().err
 
 
-def test_engine_default_resolves_auto():
+def test_the_engine_runs_the_install_auto_chooses():
     eng = load("olmoe-tiny", EngineConfig(slots=16))
     try:
-        assert eng.install == device.default_install()
+        assert type(eng.install) is installs.choose("auto", eng.cache.tier.nbytes if eng.cache.tier else 1)
+        assert eng.cache.install is eng.install
     finally:
         eng.close()
 
@@ -60,15 +79,15 @@ def test_copy_table_takes_no_host_view(monkeypatch):
         return real(obj)
 
     monkeypatch.setattr("builtins.memoryview", spy)
-    table = SlotTable(0, 8, 4, TENSORS, install="copy")
+    table = SlotTable(0, 8, 4, TENSORS, host_views=False)
     table.install_arrays(table.claim(3), [mx.arange(4, dtype=mx.float32)])
     mx.eval(table.buffers)
     assert calls == [], "a copy-mode table took a host view of an MLX buffer"
     with pytest.raises(RuntimeError, match="no direct writes"):
         table.dests(0)
-    inplace = SlotTable(0, 8, 4, TENSORS, install="inplace")
+    inplace = SlotTable(0, 8, 4, TENSORS, host_views=True)
     assert calls, "the spy sees the host views an inplace table takes"
-    with pytest.raises(RuntimeError, match="install_arrays on an inplace-mode table"):
+    with pytest.raises(RuntimeError, match="install_arrays on a table with host views"):
         inplace.install_arrays(0, [mx.zeros(4)])
 
 
@@ -132,29 +151,6 @@ def test_install_bench_diagnoses_on_any_device(capsys):
     ):
         assert out["diagnosis_ms"][k] > 0
     json.dumps(out)
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_rows_alike_says_what_the_backend_computes(dtype):
-    """`device.rows_alike()` is what this backend does: whether `gather_qmm` computes a (row,
-    expert) pair alike in a call of any number of pairs (1 to 24 here) and in one of 64. The CPU
-    does, so a prefill may hand it compact calls; MLX's CUDA kernel does not (below eight pairs it
-    takes a vector kernel whose sums round differently), so there the engine keeps mlx-lm's shapes
-    (moe.prefill_calls). Should CUDA start to agree, this fails and says the caution can go."""
-    dt = getattr(mx, dtype)
-    mx.random.seed(3)
-    w = mx.random.normal((16, 256, 128)).astype(dt) * 0.05
-    wq, scales, biases = mx.quantize(w, 64, 4)
-    x = mx.random.normal((64, 1, 128)).astype(dt)
-    idx = mx.array(np.random.default_rng(3).integers(0, 16, 64).astype(np.uint32))
-
-    def call(n):
-        y = mx.gather_qmm(x[:n], wq, scales, biases, rhs_indices=idx[:n], transpose=True, group_size=64, bits=4)
-        return np.array(y.astype(mx.float32))
-
-    full = call(64)
-    alike = [bool((call(n) == full[:n]).all()) for n in range(1, 25)]
-    assert all(alike) == device.rows_alike(), alike
 
 
 @pytest.mark.parametrize("inputs", [64, 128, 256])

@@ -1,4 +1,4 @@
-"""The `device` install (engine/runtime/devicemap.py) as CI can run it: its slot map as MLX
+"""The `device` install (engine/runtime/device/) as CI can run it: its slot map as MLX
 operations against a NumPy model of the algorithm, the engine on it bit-identical to mlx-lm at every
 slot count, no host read inside a decode token, the host tier's checks, and on a CUDA GPU the
 kernels against the operations."""
@@ -13,11 +13,13 @@ import pytest
 from conftest import MODELS, gpu_only, run_engine, run_with
 
 from engine import EngineConfig, device, load, max_abs_diff
-from engine.config import resolved_overlap
 from engine.models import registry
 from engine.models.registry import load_reference
-from engine.runtime import devicemap, hosttier, loop, moe
-from engine.runtime.devicemap import MapState, map_step_ops
+from engine.runtime import hostcache, installs, loop
+from engine.runtime.device import cache as devicecache
+from engine.runtime.device import hosttier, kernels, ops, stats
+from engine.runtime.device.ops import map_step_ops
+from engine.runtime.device.state import MapState
 from engine.runtime.loop import decode
 
 
@@ -58,7 +60,7 @@ def reference_step(slot_of, expert_in, stamp, clock, counters, pending, inds, S)
 
 def _pad(S, used, taken, stamp, fills):
     rest = [s for s in range(S) if not taken[s]]
-    return min(rest, key=lambda s: (devicemap.BIG + s) if used[s] else stamp[s] * S + s) if rest else fills[-1][1]
+    return min(rest, key=lambda s: (ops.BIG + s) if used[s] else stamp[s] * S + s) if rest else fills[-1][1]
 
 
 def reference_prefetch(slot_of, expert_in, stamp, clock, counters, pending, inds, S, protect=False):
@@ -133,7 +135,7 @@ def test_the_map_step_is_the_algorithm(E, S):
             pred = rng.choice(E, size=min(6, E), replace=False).astype(np.int32)
             pred[rng.random(len(pred)) < 0.2] = -1
             protect = bool(i % 8 == 1)
-            state, fill = devicemap.prefetch_step_ops(state, mx.array(pred), S, protect)
+            state, fill = ops.prefetch_step_ops(state, mx.array(pred), S, protect)
             ref, (fe, fs, n) = reference_prefetch(*ref, pred, S, protect)
             _same(state, ref)
             assert np.array(fill.experts).tolist() == fe and np.array(fill.slots).tolist() == fs
@@ -199,10 +201,10 @@ def test_a_pipelined_decode_builds_the_next_token_before_reading_this_one(monkey
     the one-token-at-a-time loop; a greedy decode feeding the device's own token gives its tokens."""
     ref, fit = reference("qwen3moe-tiny"), fit_traces("qwen3moe-tiny")
     events = []
-    real_read, real_begin = loop.read_token, devicemap.DeviceCache.begin_step
+    real_read, real_begin = loop.read_token, devicecache.DeviceCache.begin_step
     monkeypatch.setattr(loop, "read_token", lambda y: events.append("read") or real_read(y))
     monkeypatch.setattr(
-        devicemap.DeviceCache, "begin_step", lambda c, p, r: events.append("build") or real_begin(c, p, r)
+        devicecache.DeviceCache, "begin_step", lambda c, p, r: events.append("build") or real_begin(c, p, r)
     )
     runs = {}
     for pipelined in (False, True):
@@ -231,11 +233,11 @@ def test_the_device_install_prefetches_on_the_decode_stream_unless_asked():
     """`overlap` unset: the host installs start each layer's compute at once, the device install
     queues its prefetches on the decode stream (measured faster on the H200, docs/gpu.md); an
     explicit setting is kept for every install."""
-    for install in ("inplace", "copy", "pinned"):
-        assert resolved_overlap(None, install) is True
-        assert resolved_overlap(False, install) is False
-    assert resolved_overlap(None, "device") is False
-    assert resolved_overlap(True, "device") is True
+    for install in (installs.InplaceInstall, installs.CopyInstall, installs.PinnedInstall):
+        assert install.overlap(install, EngineConfig()) is True
+        assert install.overlap(install, EngineConfig(overlap=False)) is False
+    assert installs.DeviceInstall.overlap(installs.DeviceInstall, EngineConfig()) is False
+    assert installs.DeviceInstall.overlap(installs.DeviceInstall, EngineConfig(overlap=True)) is True
     assert EngineConfig().overlap is None
 
 
@@ -258,7 +260,7 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
 
     decode_stream = mx.default_stream(mx.default_device())
     if device.kind() == "gpu":  # every prefetch is a job of a step kernel, alone or riding along
-        real_kernel = devicemap.step_kernel
+        real_kernel = devicecache.step_kernel
 
         def spy_kernel(jobs, tier=None, tensors=(), after=(), stream=None):
             ahead = [j for j in jobs if not j.demand]
@@ -268,9 +270,9 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
             calls.extend(("made", new.arrays()) for j, (new, _) in zip(jobs, out) if not j.demand)
             return out
 
-        monkeypatch.setattr(devicemap, "step_kernel", spy_kernel)
+        monkeypatch.setattr(devicecache, "step_kernel", spy_kernel)
     else:
-        real_step = devicemap.prefetch_step_ops
+        real_step = devicecache.prefetch_step_ops
 
         def spy_step(state, inds, slots, protect_recent=False):
             on = mx.default_stream(mx.default_device())  # the stream the operations are made on
@@ -279,7 +281,7 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
             calls.append(("made", new.arrays()))
             return new, fill
 
-        monkeypatch.setattr(devicemap, "prefetch_step_ops", spy_step)
+        monkeypatch.setattr(devicecache, "prefetch_step_ops", spy_step)
     monkeypatch.setattr(mx, "async_eval", spy_async)
     ref = reference("qwen3moe-tiny")
     _, logits = run_with(
@@ -293,7 +295,7 @@ def test_a_prefetch_never_crosses_streams_inside_one_evaluation(monkeypatch, ref
         if overlap is not True:
             assert on == decode_stream
             continue
-        assert on == devicemap.prefetch_stream() != decode_stream
+        assert on == stats.prefetch_stream() != decode_stream
         assert calls[i - 1][0] == "eval" and all(any(a is b for b in calls[i - 1][1]) for a in read)
         after = next(c for c in calls[i + 2 :] if c[0] == "eval")[1]
         assert all(any(a is b for b in after) for a in calls[i + 1][1])
@@ -308,26 +310,28 @@ def test_device_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fi
     assert sum(r["misses"] for r in dec) == 0
 
 
-def test_a_prefill_larger_than_the_table_reads_each_expert_once():
-    """A prompt routing to more experts than S: the expert batches of moe.prefill_calls, each
-    expert filled once a layer, the latest rows' experts left resident."""
+def test_a_prompt_larger_than_the_table_copies_its_area_and_leaves_its_latest_rows_experts_resident():
+    """A prompt routing to more experts than S: one area a layer, the experts of its latest rows
+    (as many rows as fit) filled into their slots from it, as decoding them would have left them."""
     model, tok, _ = load_reference("qwen3moe-tiny")
     from engine.tracing import trace
 
     ids = tok.encode("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)")
     routed = trace.record(model, ids, 0)["experts"]
     _, _, want = decode(model, ids, 0, keep_logits=True)
-    eng = load("qwen3moe-tiny", EngineConfig(slots=8, install="device"))
-    try:
-        _, _, got = decode(eng.model, ids, 0, keep_logits=True)
-        for layer in range(len(eng.tables)):
-            used = np.unique(routed[:, layer])
-            assert len(used) > 8
-            assert int(np.array(eng.cache.states[layer].counters)[1]) == len(used)  # each filled once
-            assert set(routed[-1, layer].tolist()) <= set(eng.cache.resident(layer).tolist())
-    finally:
-        eng.close()
-    assert max_abs_diff(want, got) == 0.0
+    for ahead in (False, True):
+        eng = load("qwen3moe-tiny", EngineConfig(slots=16, install="device", area_ahead=ahead))
+        try:
+            _, records, got = decode(eng.model, ids, 0, keep_logits=True)
+            for layer in range(len(eng.cache.slots)):
+                kept = set(np.unique(routed[-2:, layer]).tolist())
+                # an empty table: its misses are the kept experts, filled once each
+                assert int(np.array(eng.cache.states[layer].counters)[1]) == len(kept)
+                assert kept == set(eng.cache.resident(layer).tolist()) - {-1}
+        finally:
+            eng.close()
+        assert records[0]["many_rows"] == len(eng.cache.slots)
+        assert max_abs_diff(want, got) == 0.0
 
 
 class Counting:
@@ -355,8 +359,8 @@ def test_host_synchronisations_per_decode_token(monkeypatch, install):
     evaluated once (the decode loop's); Algorithm 1's path reads the routing back at every MoE
     layer (which this counter sees, so it would see the device install do so)."""
     counts = Counting(np)
-    monkeypatch.setattr(moe, "np", counts)
-    monkeypatch.setattr(devicemap, "np", counts)
+    monkeypatch.setattr(hostcache, "np", counts)
+    monkeypatch.setattr(devicecache, "np", counts)
     evals = []
     real_eval, real_async = mx.eval, mx.async_eval
     monkeypatch.setattr(mx, "eval", lambda *a: evals.append("eval") or real_eval(*a))
@@ -367,7 +371,7 @@ def test_host_synchronisations_per_decode_token(monkeypatch, install):
         inp = mx.array(ids, dtype=mx.uint32)[None]
         cache = mlx_lm.models.cache.make_prompt_cache(eng.model)
         real_eval(eng.model(inp, cache=cache))  # the prefill
-        layers = len(eng.tables)
+        layers = len(eng.cache.slots)
         per_token = []
         for tok in (5, 17, 33, 2):
             counts.reads, evals[:] = 0, []
@@ -398,23 +402,15 @@ def test_the_host_tier_is_refused_by_name_when_it_does_not_fit(monkeypatch):
             store.close()
 
 
-def test_auto_is_the_device_install_on_a_cuda_gpu(monkeypatch):
-    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
-    assert device.default_install("gpu") == "device"
-    assert device.default_install("cpu") == "inplace"
-    monkeypatch.setattr(device, "pinned_unavailable", lambda: "no CUDA runtime")
-    assert device.default_install("gpu") == "copy"
-
-
 def test_auto_steps_back_to_pinned_where_the_host_tier_does_not_fit(monkeypatch, capsys):
-    monkeypatch.setattr(device, "resolve_install", lambda mode, kind=None: "device" if mode == "auto" else "inplace")
+    """The engine runs what installs.choose picks, once: on a CUDA GPU whose host memory cannot
+    hold the host tier, `auto` says so and runs `pinned` (here, as on the CPU, what `pinned` is)."""
+    monkeypatch.setattr(device, "pinned_unavailable", lambda: None)
+    monkeypatch.setattr(device, "kind", lambda: "gpu")
+    monkeypatch.setattr(device, "_SAID", set())
     monkeypatch.setattr(hosttier, "fits", lambda n, margin=0.8: False)
-    eng = load("olmoe-tiny", EngineConfig(slots=16))
-    try:
-        assert eng.install == "inplace"  # what `pinned` is on this CPU
-    finally:
-        eng.close()
-    assert "install auto: inplace, not device: its host tier" in capsys.readouterr().err
+    assert installs.choose("auto", 10**9) is installs.PinnedInstall
+    assert "install auto: pinned, not device: its host tier" in capsys.readouterr().err
 
 
 # -- on a CUDA GPU: the kernels ---------------------------------------------------------------------
@@ -425,11 +421,11 @@ def test_the_map_kernel_gives_the_operations_maps(E, S):
     a, b = MapState.empty(E, S), MapState.empty(E, S)
     for i, inds in enumerate(random_steps(rng, E, S, 100)):
         a, fa = map_step_ops(a, mx.array(inds), S)
-        b, fb = devicemap.map_step_kernel(b, mx.array(inds), S)
+        b, fb = kernels.map_step_kernel(b, mx.array(inds), S)
         pred = mx.array(rng.choice(E, size=6, replace=False).astype(np.int32))
         protect = i % 2 == 1
-        a, pa = devicemap.prefetch_step_ops(a, pred, S, protect_recent=protect)
-        b, pb = devicemap.prefetch_step_kernel(b, pred, S, protect_recent=protect)
+        a, pa = ops.prefetch_step_ops(a, pred, S, protect_recent=protect)
+        b, pb = kernels.prefetch_step_kernel(b, pred, S, protect_recent=protect)
         for x, y in zip(a.fields() + [pa.experts, pa.slots, pa.count], b.fields() + [pb.experts, pb.slots, pb.count]):
             assert np.array_equal(np.array(x), np.array(y))
         for x, y in zip(
@@ -450,8 +446,8 @@ def test_the_step_kernel_writes_the_slots_in_place_and_nothing_else():
         for wanted in ([3, 9, 40, 63], [1, 9, 2, 7, 5]):
             resident = set(np.array(state.expert_in).tolist())
             before = [np.array(b) for b in cache.tables[0]]  # a host read of every table
-            job = devicemap.Job(state, mx.array(wanted, mx.int32), 8, layer=cache.layer_ids[0], tables=cache.tables[0])
-            ((state, fill),) = devicemap.step_kernel([job], cache.tier, cache.tensors)
+            job = kernels.Job(state, mx.array(wanted, mx.int32), 8, layer=cache.layer_ids[0], tables=cache.tables[0])
+            ((state, fill),) = kernels.step_kernel([job], cache.tier, cache.tensors)
             mx.eval(fill.remapped)
             n = int(fill.count[0])
             filled = dict(zip(np.array(fill.experts)[:n].tolist(), np.array(fill.slots)[:n].tolist()))

@@ -1,14 +1,15 @@
 """The engine's logits equal mlx-lm's bit for bit, over the prefill and 32 decode steps, at
 every slot count, on both embedded architectures (float16 OLMoE, bfloat16 Qwen3-MoE)."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import HOST_INSTALL, MODELS, run_engine
 
-from engine import EngineConfig, decode, device, load, max_abs_diff
+from engine import EngineConfig, decode, load, max_abs_diff
 from engine.models import registry
-from engine.runtime import devicemap, moe
-from engine.runtime.moe import ExpertCache
+from engine.runtime import moe
+from engine.runtime.hostcache import ExpertCache
 from engine.tracing import trace
 
 CASES = [(m, s) for m, d in MODELS.items() for s in (d["experts"], d["experts"] // 2, d["experts"] // 4, d["top_k"])]
@@ -38,95 +39,94 @@ def test_cold_tier_bit_identical(reference):
     assert max_abs_diff(ref["logits"], logits) == 0.0
 
 
-@pytest.fixture(params=["compact", "mlx-lm's shapes"])
-def arrangement(request, monkeypatch):
-    """Both ways a prefill on a small table is computed (moe.prefill_calls), whatever this backend
-    picks: the compact calls the CPU takes, and the calls in mlx-lm's own shapes that CUDA needs
-    (there the compact ones differ from mlx-lm's logits by up to 0.069, issue 28), so that the
-    CPU run checks the arithmetic of the GPU's arrangement too."""
-    if request.param == "compact" and not device.rows_alike() and "which_pairs" not in request.node.name:
-        pytest.skip(
-            "compact calls are not exact on this backend (device.rows_alike), so the engine never makes them here"
-        )
-    monkeypatch.setattr(device, "rows_alike", lambda *a: request.param == "compact")
-    return request.param
-
-
-def test_prefill_larger_than_table_is_chunked(reference, arrangement):
-    """A prompt whose rows route to more experts than S runs in batches of experts, still exactly."""
+@pytest.mark.parametrize("install", [HOST_INSTALL, "device"])
+def test_a_prompt_larger_than_the_table_is_computed_over_the_area_exactly(reference, install):
+    """A prompt whose rows route to more experts than S is computed over the many-rows area, on
+    Algorithm 1's path and the device install's, and the logits of the prompt and of the decode
+    after it stay mlx-lm's."""
     ref = reference("qwen3moe-tiny")
-    records, logits, _ = run_engine("qwen3moe-tiny", ref, slots=8)
-    assert records[0]["phase"] == "prefill" and records[0]["chunks"] > 0
+    records, logits, _ = run_engine("qwen3moe-tiny", ref, slots=8, install=install)
+    assert records[0]["phase"] == "prefill" and records[0]["many_rows"] > 0
+    assert all(r["many_rows"] == 0 for r in records[1:])  # one row a step fits the table
     assert max_abs_diff(ref["logits"], logits) == 0.0
 
 
 @pytest.mark.parametrize("slots", [8, 16])
-def test_a_prefill_on_a_small_table_reads_each_expert_once_and_keeps_the_latest(reference, slots, arrangement):
-    """A prompt whose rows route to more experts than S reads each of a layer's experts at most
-    once (the rows' choices batched by expert, not the rows cut into groups, where a row's experts
-    were read again whenever an earlier group had evicted them), and leaves resident the S
-    experts its latest rows used, as a table filled row by row under LRU would, so the first
-    decode step starts from the same experts; the logits stay mlx-lm's."""
+def test_a_prompt_reads_each_expert_once_and_leaves_its_latest_rows_experts_resident(reference, slots):
+    """A prompt whose rows route to more experts than S reads each of a layer's experts once, into
+    the area, and leaves in the table the experts of its latest rows, as many rows as the table
+    holds (S // top_k), as decoding them would have: the first decode step starts warm. The
+    logits stay mlx-lm's."""
     ref = reference("qwen3moe-tiny")
     model, _, _ = registry.load_reference("qwen3moe-tiny")
     routed = trace.record(model, ref["ids"], 0)["experts"]  # (prompt rows, layers, K)
     eng = load("qwen3moe-tiny", EngineConfig(slots=slots, install=HOST_INSTALL))  # reads the slot tables' state
     try:
         _, records, logits = decode(eng.model, ref["ids"], 0, keep_logits=True)
-        for layer, table in enumerate(eng.tables):
+        for layer, table in enumerate(eng.cache.tables):
             rows = routed[:, layer]
-            used = np.unique(rows)
-            assert len(used) > slots  # the prefill does not fit: the batched path ran
-            assert table.misses == len(used)  # an empty table: each expert read once
-            last_use = {int(e): max(r for r, row in enumerate(rows) if e in row) for e in used}
-            resident = {int(e) for e in np.flatnonzero(table.slot_of >= 0)}
-            assert len(resident) == slots and set(rows[-1].tolist()) <= resident
-            # none left out was used later than one kept (ties within a row go either way)
-            assert min(last_use[e] for e in resident) >= max(last_use[e] for e in set(last_use) - resident)
+            used, kept = np.unique(rows), set(np.unique(rows[-(slots // 8) :]).tolist())
+            assert len(used) > slots  # the prompt does not fit: the area ran
+            # an empty table: each expert read once into the area, the kept ones once more into slots
+            assert table.misses == len(used) + len(kept)
+            assert {int(e) for e in np.flatnonzero(table.slot_of >= 0)} == kept
     finally:
         eng.close()
-    assert records[0]["chunks"] > 0
+    assert records[0]["many_rows"] == len(eng.cache.tables)
     assert max_abs_diff(ref["logits"][:1], logits) == 0.0
 
 
 @pytest.mark.parametrize("install", [HOST_INSTALL, "device"])
-def test_which_pairs_go_to_which_call(reference, arrangement, monkeypatch, install):
-    """The arrangement itself, on Algorithm 1's path and the device install's: every (row, choice)
-    pair of a layer is computed by exactly one call, the call of the batch that holds its expert;
-    compact calls take just those pairs, as rows of their own; the others take mlx-lm's own shapes
-    (the MoE block's input and the router's indices), so that a backend whose kernel depends on the
-    call's size computes what mlx-lm does."""
+def test_a_many_rows_call_is_mlx_lms_own_call(reference, monkeypatch, install):
+    """Each layer of a prompt on a small table is one call of mlx-lm's SwitchGLU, in mlx-lm's own
+    shapes (the MoE block's input and the router's own indices, unmapped), over weights of every
+    expert of the layer at its own index: what mlx-lm calls, on any backend."""
     ref = reference("qwen3moe-tiny")
     rows, K = len(ref["ids"]), 8
-    calls, shapes = [], []
-    planned = moe.prefill_calls
-
-    def spy(idx, *a):
-        calls.append((idx.reshape(-1), planned(idx, *a)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(moe, "prefill_calls", spy)
-    monkeypatch.setattr(devicemap, "prefill_calls", spy)
+    calls = []
     eng = load("qwen3moe-tiny", EngineConfig(slots=8, install=install))
     try:
-        for m in moe.engine_layers(eng.model):
-            inner = m.glu
-            m.glu = lambda x, i, inner=inner: shapes.append((x.shape, i.shape)) or inner(x, i)
+        glu = type(moe.engine_layers(eng.model)[0].glu)
+        real = glu.__call__
+
+        def spy(self, x, i):
+            calls.append((x.shape, i.shape, self.gate_proj.weight.shape))
+            return real(self, x, i)
+
+        monkeypatch.setattr(glu, "__call__", spy)
         decode(eng.model, ref["ids"], 0)
     finally:
         eng.close()
-    assert len(calls) == len(eng.tables)  # one plan per layer
-    for flat, plan in calls:
-        covered = np.concatenate([c.pairs for c in plan])
-        assert sorted(covered.tolist()) == list(range(rows * K))  # each pair once
-        for c in plan:
-            assert set(flat[c.pairs].tolist()) == set(c.experts.tolist())  # its batch's pairs, all of them
-            assert len(c.experts) <= 8 and c.compact == (arrangement == "compact")
-    if arrangement == "compact":
-        assert sum(ix[0] for _, ix in shapes) == rows * K * len(calls)
-        assert all(ix[1:] == (1,) for _, ix in shapes)
-    else:
-        assert all(xs[:2] == (1, rows) and ix == (1, rows, K) for xs, ix in shapes)
+    assert len(calls) == len(eng.cache.tables)  # one call a layer
+    E = MODELS["qwen3moe-tiny"]["experts"]
+    assert all(xs[:2] == (1, rows) and ix == (1, rows, K) and w[0] == E for xs, ix, w in calls)
+
+
+@pytest.mark.parametrize("sort", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_an_areas_unnamed_experts_are_never_read(dtype, sort):
+    """The area holds only the experts the rows name; the others are whatever the memory held.
+    `gather_qmm` reads only the experts its indices name: over a stack whose other experts are
+    NaN it gives the very bytes it gives over the real stack."""
+    dt = getattr(mx, dtype)
+    mx.random.seed(3)
+    w = mx.random.normal((16, 256, 128)).astype(dt) * 0.05
+    wq, scales, biases = mx.quantize(w, 64, 4)
+    x = mx.random.normal((64, 1, 128)).astype(dt)
+    idx = np.random.default_rng(3).integers(0, 16, 64).astype(np.uint32)
+    idx[idx == 5] = 6  # expert 5 is never named
+    if sort:  # as mlx-lm's SwitchGLU hands many rows to the kernel
+        idx = np.sort(idx)
+    named = mx.array(np.isin(np.arange(16), idx))[:, None, None]
+    poisoned = [mx.where(named, a, mx.full(a.shape, float("nan"), a.dtype) if a.dtype != mx.uint32 else 7)
+                for a in (wq, scales, biases)]  # fmt: skip
+
+    def call(q, s, b):
+        y = mx.gather_qmm(x, q, s, b, rhs_indices=mx.array(idx), transpose=True, group_size=64, bits=4,
+                          sorted_indices=sort)  # fmt: skip
+        return np.array(y.astype(mx.float32))
+
+    assert np.array_equal(call(wq, scales, biases), call(*poisoned))
 
 
 def test_full_table_never_synchronises(reference, monkeypatch):

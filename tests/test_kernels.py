@@ -3,7 +3,7 @@ the device install can launch is well-formed C++ with the arguments the engine g
 layer step kernel, run on the CPU as threads with CUDA's barriers and warp shuffles, computes what
 the MLX operations compute: the same maps, fill lists and remapped indices, the same bytes in the
 slot tables, and through the engine the logits of mlx-lm. On a GPU the same comparisons run on
-the device (tests/test_devicemap.py)."""
+the device (tests/test_kernels.py)."""
 
 import mlx.core as mx
 import numpy as np
@@ -12,8 +12,12 @@ from conftest import cpu_only, run_with
 from cuda_emulator import CXX, Emulator, address, compiles_alone
 
 from engine import device, max_abs_diff
-from engine.runtime import devicemap, hosttier, staging
-from engine.runtime.devicemap import Job, MapState, fill_ops, map_step_ops, prefetch_step_ops
+from engine.runtime import staging
+from engine.runtime.device import cache as devicecache
+from engine.runtime.device import hosttier, kernels
+from engine.runtime.device.kernels import Job
+from engine.runtime.device.ops import area_ops, fill_ops, map_step_ops, prefetch_step_ops
+from engine.runtime.device.state import MapState
 from engine.runtime.store import TensorSpec
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler (g++ or clang++)")
@@ -62,10 +66,10 @@ def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
     emu = emulated(run=False)
     E, S = 64, 16
     state = MapState.empty(E, S)
-    devicemap.map_step_kernel(state, mx.array([3, 9, 40, 63, 1, 2, 5, 7], mx.int32), S)
-    devicemap.map_step_kernel(state, mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32), S)  # the router's own
+    kernels.map_step_kernel(state, mx.array([3, 9, 40, 63, 1, 2, 5, 7], mx.int32), S)
+    kernels.map_step_kernel(state, mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32), S)  # the router's own
     for protect in (False, True):
-        devicemap.prefetch_step_kernel(state, mx.array([3, -1, 40], mx.int32), S, protect)
+        kernels.prefetch_step_kernel(state, mx.array([3, -1, 40], mx.int32), S, protect)
     tier = type("Tier", (), dict(base=mx.array([0], mx.uint64), record_bytes=RECORD, num_experts=E))()
     tabs, layer = tables(2, S), mx.array([1], mx.uint32)
     inds = mx.array([[[3, 9, 40, 63, 1, 2, 5, 7]]], mx.uint32)
@@ -74,10 +78,14 @@ def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
             Job(state, inds, S, layer=layer, tables=tabs[0]),
             Job(MapState.empty(E, 12), inds[0, 0, :4], 12, False, False, layer, tabs[1]),
         ]
-        devicemap.step_kernel(jobs, tier, TENSORS, after)
-    devicemap.step_kernel([Job(state, inds[0, 0], S, False, True, layer, tabs[1])], tier, TENSORS)
+        kernels.step_kernel(jobs, tier, TENSORS, after)
+    kernels.step_kernel([Job(state, inds[0, 0], S, False, True, layer, tabs[1])], tier, TENSORS)
     with pytest.raises(ValueError, match="a job of 12 slots on a map of 16 of 64 experts"):
-        devicemap.step_kernel([Job(state, inds, 12)])  # a map's block is laid out for its own S
+        kernels.step_kernel([Job(state, inds, 12)])  # a map's block is laid out for its own S
+    area = kernels.area_kernel(tier, layer, state, tabs[0], TENSORS, inds)  # the experts rows name
+    kernels.area_kernel(tier, layer, state, tabs[0], TENSORS)  # every expert
+    settle = Job(state, inds, S, layer=layer, tables=tabs[0], source=tuple(area))  # a fill from an area
+    kernels.step_kernel([settle], tier, TENSORS, (mx.zeros((2,)),))
     staging.copy_kernel(TENSORS, RECORD)(
         inputs=[mx.array([0], mx.uint64), mx.array(np.arange(8, dtype=np.uint8))],
         output_shapes=[(8, *t.shape) for t in TENSORS] + [(1,)],
@@ -85,14 +93,17 @@ def test_every_kernel_the_device_install_launches_is_well_formed(emulated):
         grid=(1024, 1, 1),
         threadgroup=(256, 1, 1),
     )
-    assert len(emu.sources) >= 8  # map (2 index types), prefetch (2), step (3 orderings, 1 alone), stage
+    assert (
+        len(emu.sources) >= 11
+    )  # map (2 index types), prefetch (2), step (3 orderings, 1 alone), area (2), settle, stage
 
 
 def test_a_job_costs_the_launch_its_map_as_one_array_in_and_out():
     """Each array of a launch is host work on the GPU (an output about 2 µs): a job hands the step
     kernel its indices, its map's block and its layer, and takes back its map's block (the fill
     list in it) and, for a demand step, the remapped indices; the tables and ordering inputs follow."""
-    ins, outs, _, dtypes = devicemap.step_signature((True, False), tuple(TENSORS), RECORD, 64, (16, 16), 2)
+    kinds = ((True, False), (False, False))  # (demand, filled from an area) a job
+    ins, outs, _, dtypes = kernels.step_signature(kinds, tuple(TENSORS), RECORD, 64, (16, 16), 2)
     assert outs == ("state_o0", "remapped0", "state_o1") and dtypes == [mx.int32, mx.uint32, mx.int32]
     head = [n for n in ins if not n.startswith(("tab", "after"))]
     assert head == ["base", "inds0", "state0", "layer0", "inds1", "state1", "layer1"]
@@ -104,7 +115,7 @@ def test_a_broken_kernel_is_caught():
     assert not compiles_alone("k", ["a"], [mx.zeros((2,), mx.int32)], ["o"], [mx.int32], "o[0] = b[0];")
 
 
-@cpu_only  # on a GPU the kernels themselves run (tests/test_devicemap.py)
+@cpu_only  # on a GPU the kernels themselves run (tests/test_kernels.py)
 @pytest.mark.parametrize("E,S", [(16, 6), (64, 16), (128, 48)])  # 48: lanes of the warp own two slots
 def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
     """A layer's demand step with a prefetch into another layer riding along, and prefetches alone
@@ -128,7 +139,7 @@ def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
             ops[layer], fa = prefetch_step_ops(ops[layer], mx.array(pred), S, protect_recent=True)
             fill_ops(tier, layer, tabs_a[layer], TENSORS, fa)
             job = Job(kern[layer], mx.array(pred), S, False, True, mx.array([layer], mx.uint32), tabs_b[layer])
-            ((kern[layer], fb),) = devicemap.step_kernel([job], tier, TENSORS)
+            ((kern[layer], fb),) = kernels.step_kernel([job], tier, TENSORS)
             pairs = [(ops[layer], kern[layer], fa, fb)]
         else:
             ops[target], pa = prefetch_step_ops(ops[target], mx.array(pred), S)
@@ -143,7 +154,7 @@ def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
                 Job(kern[layer], given, S, layer=mx.array([layer], mx.uint32), tables=tabs_b[layer]),
                 Job(kern[target], mx.array(pred), S, False, False, mx.array([target], mx.uint32), tabs_b[target]),
             ]
-            (kern[layer], fb), (kern[target], pb) = devicemap.step_kernel(jobs, tier, TENSORS)
+            (kern[layer], fb), (kern[target], pb) = kernels.step_kernel(jobs, tier, TENSORS)
             assert fb.remapped.shape == given.shape
             assert np.array_equal(np.array(fb.remapped).reshape(-1), np.array(fa.remapped))
             pairs = [(ops[layer], kern[layer], fa, fb), (ops[target], kern[target], pa, pb)]
@@ -160,7 +171,7 @@ def test_the_step_kernel_computes_what_the_operations_compute(emulated, E, S):
     assert counters[:, 1].sum() > 0 and counters[:, 2].sum() > 0  # misses filled and prefetches issued
 
 
-@cpu_only  # on a GPU: tests/test_devicemap.py::test_the_map_kernel_gives_the_operations_maps
+@cpu_only  # on a GPU: tests/test_kernels.py::test_the_map_kernel_gives_the_operations_maps
 @pytest.mark.parametrize("E,S", [(16, 6), (64, 16)])
 def test_the_map_kernels_without_a_fill_compute_what_the_operations_compute(emulated, E, S):
     """A step kernel with no tier and no tables (map_step_kernel, prefetch_step_kernel) reads and
@@ -171,14 +182,49 @@ def test_the_map_kernels_without_a_fill_compute_what_the_operations_compute(emul
     for i in range(12):
         inds = mx.array(rng.choice(E, size=min(8, S), replace=False).astype(np.int32))
         a, fa = map_step_ops(a, inds, S)
-        b, fb = devicemap.map_step_kernel(b, inds, S)
+        b, fb = kernels.map_step_kernel(b, inds, S)
         assert np.array_equal(np.array(fa.remapped), np.array(fb.remapped)), i
         pred = mx.array(rng.choice(E, size=6, replace=False).astype(np.int32))
         a, pa = prefetch_step_ops(a, pred, S, protect_recent=i % 2 == 1)
-        b, pb = devicemap.prefetch_step_kernel(b, pred, S, protect_recent=i % 2 == 1)
+        b, pb = kernels.prefetch_step_kernel(b, pred, S, protect_recent=i % 2 == 1)
         ours, theirs = a.fields() + [fa.experts, pa.experts, pa.count], b.fields() + [fb.experts, pb.experts, pb.count]
         for x, y in zip(ours, theirs):
             assert np.array_equal(np.array(x), np.array(y)), i
+
+
+@cpu_only
+@pytest.mark.parametrize("E,S", [(16, 6), (64, 16)])
+def test_the_area_kernel_copies_each_named_expert_from_its_slot_or_the_host_tier(emulated, E, S):
+    """A many-rows area made by the kernel on emulated threads in three blocks: each expert the rows
+    name is at its own index, a resident one with its slot's bytes (device memory, here made to
+    differ from the tier's so that the source shows), any other with its host tier record's; with
+    no indices, every expert. A fill of the slots from it (a job with a `source`) writes what
+    fill_ops writes from it."""
+    emulated(blocks=3, threads=64)
+    tier, tabs, layer = Tier(2, E, seed=E), tables(2, S), mx.array([1], mx.uint32)
+    state, fill = map_step_ops(MapState.empty(E, S), mx.array([3, 5, 7, 9], mx.int32), S)
+    fill_ops(tier, 1, tabs[1], TENSORS, fill)
+    slots = [t + 1 if t.dtype != mx.uint32 else t ^ 0xFFFF for t in tabs[1]]  # no longer the tier's bytes
+    mx.eval(state.block, slots)
+    whole = area_ops(tier, 1, TENSORS)
+    slot_of = np.array(state.slot_of)
+    rows = np.array([[3, 11, 5], [11, 2, 3]], np.uint32)
+    for inds in (mx.array(rows), None):
+        area = kernels.area_kernel(tier, layer, state, slots, TENSORS, inds)
+        named = np.unique(rows) if inds is not None else np.arange(E)
+        for i, t in enumerate(TENSORS):
+            for e in named:
+                src = slots[i][int(slot_of[e])] if slot_of[e] >= 0 else whole[i][int(e)]
+                assert memoryview(area[i][int(e)]).tobytes() == memoryview(src).tobytes(), (t.name, e)
+    last = mx.array([[2, 11, 5, 3]], mx.uint32)
+    a, fa = map_step_ops(state, last.reshape(-1).astype(mx.int32), S)
+    ours = [mx.array(t) for t in slots]
+    fill_ops(tier, 1, ours, TENSORS, fa, source=area)
+    job = Job(state, last, S, layer=layer, tables=slots, source=tuple(area))
+    ((b, fb),) = kernels.step_kernel([job], tier, TENSORS)
+    assert np.array_equal(np.array(a.block)[: E + 3 * S], np.array(b.block)[: E + 3 * S])
+    for x, y in zip(ours, slots):
+        assert memoryview(x).tobytes() == memoryview(y).tobytes()
 
 
 @cpu_only
@@ -201,9 +247,9 @@ def test_the_engine_on_the_emulated_kernels_gives_mlx_lms_logits(
         return tier
 
     monkeypatch.setattr(hosttier, "acquire", cpu_tier)
-    init = devicemap.DeviceCache.__init__
+    init = devicecache.DeviceCache.__init__
     monkeypatch.setattr(
-        devicemap.DeviceCache, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "mode": "kernel"})
+        devicecache.DeviceCache, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "mode": "kernel"})
     )
     ref = reference("qwen3moe-tiny")
     records, logits = run_with(

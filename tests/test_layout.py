@@ -184,19 +184,124 @@ def test_the_cache_is_the_only_writer_of_its_counters():
     assert {cls for _, _, cls in writes} <= {"ExpertCache", "DeviceCache"}, writes
 
 
-def test_moe_steers_no_install_by_its_name():
-    """Each install is an object (engine.runtime.installs) with one interface: the layer's step
-    never asks which install it has."""
-    src = (ENGINE / "runtime" / "moe.py").read_text()
-    branches = [
-        n.lineno
-        for n in ast.walk(ast.parse(src))
-        if isinstance(n, ast.Compare)
-        and "install_mode" in ast.unparse(n)
-        or isinstance(n, ast.Compare)
-        and any(isinstance(c, ast.Constant) and c.value in ("inplace", "copy", "pinned") for c in n.comparators)
-    ]
-    assert not branches, f"engine/runtime/moe.py compares install names at lines {branches}"
+INSTALL_NAMES = {"inplace", "copy", "pinned", "device"}
+
+
+def _install_name_branches(path: Path) -> list:
+    """Lines of `path` that compare something with an install's name, or ask an install object
+    its name in a comparison."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(n, ast.Compare):
+            continue
+        operands = [n.left, *n.comparators]
+        named = any(isinstance(o, ast.Constant) and o.value in INSTALL_NAMES for o in operands)
+        asked = any(isinstance(o, ast.Attribute) and o.attr == "name" and "install" in ast.unparse(o) for o in operands)
+        if named or asked:
+            out.append(f"{path.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
+    return out
+
+
+def test_no_code_branches_on_an_installs_name_outside_the_installs():
+    """The install is an object chosen once (engine.runtime.installs.choose); the engine, its
+    command line and the experiments ask it (its cache, its memory, its name for records), and
+    never steer by its name."""
+    mine = ENGINE / "runtime" / "installs.py"
+    files = [f for f in FILES if f != mine] + sorted((ROOT / "harness").rglob("*.py"))
+    branches = [b for f in files for b in _install_name_branches(f)]
+    assert not branches, branches
+    assert _install_name_branches(mine), "the scan finds the one place that chooses"
+
+
+PREDICTOR_CLASSES = {"Predictor", "NoPredictor", "Popularity", "Previous", "Transition", "Probe", "Oracle"}
+
+
+def test_the_runtime_asks_a_predictor_rather_than_checking_its_type():
+    """A predictor carries its own behaviour (its host prediction, its device-side prediction,
+    whether it takes a run's trace): nothing under engine/runtime/ checks which class it is."""
+    found = []
+    for f in sorted((ENGINE / "runtime").rglob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text())):
+            if isinstance(n, ast.Call) and ast.unparse(n.func) in ("isinstance", "type", "issubclass"):
+                if any(c in ast.unparse(n) for c in PREDICTOR_CLASSES):
+                    found.append(f"{f.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
+    assert not found, found
+
+
+DEVICE_PACKAGE = ENGINE / "runtime" / "device"
+
+
+def test_the_device_install_is_a_package_of_small_files():
+    """engine/runtime/device/: the map state, the operations, the kernels' source and launches, the
+    cache, its stats, its prefetch and the host tier, each file at most 300 lines."""
+    sizes = {f.name: len(f.read_text().splitlines()) for f in DEVICE_PACKAGE.glob("*.py")}
+    assert {"state.py", "ops.py", "kernels.py", "kernel_source.py", "cache.py", "hosttier.py"} <= set(sizes)
+    assert all(n <= 300 for n in sizes.values()), sizes
+
+
+def test_the_cuda_runtime_is_reached_through_engine_device_only():
+    """engine/cudart.py (the ctypes binding) is imported by engine/device.py alone; everything
+    else, the harness included, asks engine.device."""
+    found = []
+    for f in FILES + sorted((ROOT / "harness").rglob("*.py")):
+        if f == ENGINE / "device.py":
+            continue
+        for mod, line, _ in imports(f):
+            if mod == "engine.cudart" or mod.startswith("engine.cudart."):
+                found.append(f"{f.relative_to(ROOT)}:{line}")
+    assert not found, found
+
+
+# What the experiments may use of the engine: its public face and these internals, documented in
+# docs/engine.md ("What the harness uses").
+HARNESS_MAY_USE = (
+    "engine",
+    "engine.api",
+    "engine.arguments",
+    "engine.config",
+    "engine.device",
+    "engine.versions",
+    "engine.models.registry",
+    "engine.models.train",
+    "engine.predict",
+    "engine.tracing",
+    "engine.cluster",
+    "engine.runtime.engine",
+    "engine.runtime.installs",
+    "engine.runtime.loop",
+    "engine.runtime.moe",
+    "engine.runtime.slots",
+    "engine.runtime.store",
+)
+
+
+def test_the_harness_uses_the_engines_face_and_its_documented_internals():
+    found = []
+    for f in sorted((ROOT / "harness").rglob("*.py")):
+        for mod, line, _ in imports(f):
+            if mod.split(".")[0] != "engine":
+                continue
+            if any(m.startswith(mod + ".") for m in HARNESS_MAY_USE):
+                continue  # a package a name is imported from (`from engine.models import registry`)
+            base = next((m for m in sorted(HARNESS_MAY_USE, key=len, reverse=True)
+                         if mod == m or mod.startswith(m + ".")), None)  # fmt: skip
+            if base is None or (base == "engine" and mod in MODULES and mod != "engine"):
+                found.append(f"{f.relative_to(ROOT)}:{line} {mod}")
+    assert not found, found
+    doc = (ROOT / "docs" / "engine.md").read_text()
+    assert all(f"`{m}`" in doc for m in HARNESS_MAY_USE if m != "engine"), "docs/engine.md names each"
+
+
+def test_the_workflow_reaches_the_engine_through_the_harness():
+    """The rules and their scripts import `harness` only; the harness imports the engine."""
+    found = []
+    for f in (
+        sorted((ROOT / "workflow").rglob("*.py")) + sorted((ROOT / "workflow").rglob("*.smk")) + [ROOT / "Snakefile"]
+    ):
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if re.match(r"\s*(from|import) engine\b", line):
+                found.append(f"{f.relative_to(ROOT)}:{n}")
+    assert not found, found
 
 
 def test_the_experiments_never_import_the_engines_command_line():

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from conftest import HOST_INSTALL, MODELS, ON_GPU, run_with
 
-from engine import EngineConfig, device, load, max_abs_diff
+from engine import EngineConfig, load, max_abs_diff
 from engine.models import registry
 from engine.models.embedded import sha256_file
 from engine.predict import predictors, prompts
 from engine.predict.predictors import Context
+from engine.runtime import installs
 from engine.runtime.loop import decode, time_split
 from engine.runtime.prefetch import Prefetcher
 from engine.runtime.store import Store, StoreError
@@ -86,7 +87,7 @@ def test_the_probe_scores_each_token_on_the_device_with_the_routers_indices(refe
             return super().predict_and_issue(layer, experts, scores, cache)
 
     eng = load("qwen3moe-tiny", EngineConfig(slots=32, install=HOST_INSTALL), prefetcher=Spy(pred, 1))
-    layers = len(eng.tables)
+    layers = len(eng.cache.tables)
     try:
         tokens, _, _ = decode(eng.model, ref["ids"], 6)
     finally:
@@ -399,7 +400,7 @@ def test_shutdown_with_reads_in_flight_does_not_hang(fit_traces):
     )
     cache = eng.cache
     cache.begin_step(0, 1)
-    for layer in range(len(eng.tables)):  # issue without ever draining
+    for layer in range(len(eng.cache.tables)):  # issue without ever draining
         cache.prefetcher.issue(layer, np.arange(16), cache)
     assert sum(len(f) for f in cache.prefetcher.inflight.values()) > 0
     eng.close()
@@ -419,5 +420,5 @@ def test_depth_wrapping_onto_its_own_layer_is_exact(reference, fit_traces, slots
     # with S = top_k every slot holds an expert this layer uses: an install that claims its slot
     # before it reads (inplace) has no room to prefetch into; one that reads into staging first
     # (pinned, which inplace is on a GPU) issues its reads, and they find no slot
-    claims_first = device.resolve_install("inplace") == "inplace"
+    claims_first = installs.choose("inplace", 1).claims_first
     assert issued == 0 if slots == MODELS["qwen3moe-tiny"]["top_k"] and claims_first else issued > 0

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from conftest import PROMPT
 
-from engine import EngineConfig, load
-from engine.runtime import slots
+from engine import EngineConfig, device, load
+from engine.device import device_indices, index_block
 from engine.runtime.loop import decode
-from engine.runtime.slots import LRU, SlotTable, device_indices, index_block
+from engine.runtime.slots import LRU, SlotTable
 from engine.runtime.store import TensorSpec
 
 TENSORS = [TensorSpec("w", (4,), "float32", 0, 16)]
@@ -32,7 +32,7 @@ def test_slots_hold_store_bytes_after_decoding(install):
         ids = eng.tokenizer.encode(PROMPT)
         decode(eng.model, ids, 8)
         assert eng.counters()["evictions"] > 0
-        for layer, table in enumerate(eng.tables):
+        for layer, table in enumerate(eng.cache.tables):
             check_consistent(table)
             mx.eval(table.buffers)
             resident = np.flatnonzero(table.slot_of >= 0)
@@ -155,11 +155,11 @@ def test_device_indices_are_the_values_in_a_block_above_the_small_pool(shape):
     assert a.dtype == mx.uint32 and a.shape == shape
     assert np.array(a).tolist() == values.tolist()
     block = index_block(values)
-    assert block.nbytes > slots.SMALL_POOL_BYTES
+    assert block.nbytes > device.SMALL_POOL_BYTES
     assert block[: values.size].tolist() == values.reshape(-1).tolist()
 
 
 def test_an_address_keeps_its_64_bits():
     a = device_indices([2**40 + 3], np.uint64)
     assert a.dtype == mx.uint64 and np.array(a).tolist() == [2**40 + 3]
-    assert index_block([2**40 + 3], np.uint64).nbytes > slots.SMALL_POOL_BYTES
+    assert index_block([2**40 + 3], np.uint64).nbytes > device.SMALL_POOL_BYTES

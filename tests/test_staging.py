@@ -14,15 +14,15 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import MODELS, PROMPT, run_with
+from conftest import MODELS, PROMPT, force_pinned, run_with
 from mlx_lm.generate import generate_step
 
 from engine import EngineConfig, cudart, device, load, max_abs_diff
 from engine.models.registry import load_reference
 from engine.predict import predictors
-from engine.runtime import slots, staging
+from engine.runtime import installs, staging
+from engine.runtime.hostcache import ExpertCache
 from engine.runtime.loop import decode
-from engine.runtime.moe import ExpertCache
 from engine.runtime.prefetch import NoPrefetch, Prefetcher
 from engine.runtime.slots import SlotTable
 from engine.runtime.store import TensorSpec
@@ -37,9 +37,7 @@ def pinned(monkeypatch):
     """`install="pinned"` runs: for real on a CUDA GPU, over HostMemory elsewhere."""
     if REAL:
         return "cuda"
-    real = device.resolve_install
-    monkeypatch.setattr(device, "resolve_install", lambda m, k=None: "pinned" if m == "pinned" else real(m, k))
-    monkeypatch.setattr(staging, "make_memory", staging.HostMemory)
+    force_pinned(monkeypatch)
     return "host"
 
 
@@ -127,7 +125,7 @@ def test_held_abandoned_and_discarded_records():
 def test_batched_install_is_one_scatter_per_tensor_into_the_named_slots():
     mem = _memory(8, RECORD, TENSORS)
     pool = staging.StagingPool(8, RECORD, TENSORS, mem)
-    table = SlotTable(0, 16, 6, TENSORS, install="copy")
+    table = SlotTable(0, 16, 6, TENSORS, host_views=False)
     recs = pool.acquire(3)
     rows = _fill(pool, recs, 3)
     table.install_batch([5, 0, 2], pool.copy(recs))
@@ -161,13 +159,13 @@ def test_cuda_kernel_reads_pinned_records_across_pcie():
 # -- where it cannot run -------------------------------------------------------------------------
 @pytest.mark.skipif(REAL, reason="CPU-only: checks the fallback where there is no CUDA backend")
 def test_pinned_says_why_and_falls_back_on_the_cpu(capsys):
-    assert "CPU" in staging.unavailable_reason()
-    assert device.resolve_install("pinned") == "inplace"
+    assert "CPU" in device.pinned_unavailable()
+    assert installs.choose("pinned", 1) is installs.InplaceInstall
     assert "install pinned needs MLX's CUDA backend" in capsys.readouterr().err
-    assert device.resolve_install("auto") == "inplace"
+    assert installs.choose("auto", 1) is installs.InplaceInstall
     eng = load("olmoe-tiny", EngineConfig(slots=16, install="pinned"))
     try:
-        assert {t.install_mode for t in eng.tables} == {"inplace"} and eng.cache.install.name == "inplace"
+        assert {t.host_views for t in eng.cache.tables} == {True} and eng.install.name == "inplace"
     finally:
         eng.close()
 
@@ -186,7 +184,7 @@ def test_pinned_logits_bit_identical(reference, pinned, model_id, slots):
     ref = reference(model_id)
     eng = load(model_id, EngineConfig(slots=slots, install="pinned"))
     try:
-        assert {t.install_mode for t in eng.tables} == {"pinned"}
+        assert {t.host_views for t in eng.cache.tables} == {False} and eng.install.name == "pinned"
         _, _, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
         counters = eng.counters()
     finally:
@@ -386,11 +384,11 @@ def test_pinned_miss_accounting(pinned):
         assert isinstance(cache, ExpertCache) and isinstance(cache.prefetcher, NoPrefetch)
         cache.stats.reset()
         cache.read_misses(0, list(range(8)), protected=set(range(8)))
-        mx.eval(eng.tables[0].buffers)
+        mx.eval(eng.cache.tables[0].buffers)
         st = cache.stats
         assert (st.misses, st.bytes_read) == (8, 8 * eng.store.expert_bytes)
         assert st.pread_s > 0 and st.stall_s > 0 and st.array_s > 0
-        assert sorted(eng.tables[0].expert_in.tolist()) == list(range(8))
+        assert sorted(eng.cache.tables[0].expert_in.tolist()) == list(range(8))
     finally:
         eng.close()
 
@@ -400,18 +398,18 @@ def test_a_decodes_index_arrays_all_leave_the_small_pool(install, monkeypatch, p
     """Every index array a decode hands the device (its slots, its staging records and their
     slots, its tokens) goes through device_indices, so none is small-pool sized."""
     made = []
-    real = slots.index_block
+    real = device.index_block
 
     def spy(values, dtype=np.uint32):
         block = real(values, dtype)
         made.append(block.nbytes)
         return block
 
-    monkeypatch.setattr(slots, "index_block", spy)
+    monkeypatch.setattr(device, "index_block", spy)
     eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install))
     try:
         decode(eng.model, eng.tokenizer.encode(PROMPT), 4)
         assert eng.counters()["misses"] > 0
     finally:
         eng.close()
-    assert made and min(made) > slots.SMALL_POOL_BYTES
+    assert made and min(made) > device.SMALL_POOL_BYTES

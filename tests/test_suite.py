@@ -370,9 +370,9 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
 def test_the_readme_names_the_engines_default_stream_for_a_device_prefetch():
     """The report layer imports no engine: its idea of the default stream is a constant that must
     agree with the engine's own choice."""
-    from engine.config import resolved_overlap
+    from engine.runtime.installs import DeviceInstall
 
-    assert docblocks.DEVICE_PREFETCH_ON_DECODE_STREAM is (not resolved_overlap(None, "device"))
+    assert docblocks.DEVICE_PREFETCH_ON_DECODE_STREAM is (not DeviceInstall.overlap_default)
 
 
 def test_the_prediction_pays_sentence_sets_each_install_against_its_own_demand_loading():

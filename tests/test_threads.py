@@ -7,11 +7,11 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import PROMPT
+from conftest import PROMPT, force_pinned
 
-from engine import EngineConfig, device, load
+from engine import EngineConfig, load
 from engine.models.registry import load_reference
-from engine.runtime import moe, slots, staging
+from engine.runtime import hostcache, slots, staging
 from engine.runtime import store as store_mod
 from engine.runtime.loop import decode
 from engine.tracing import trace
@@ -53,11 +53,9 @@ def test_reader_threads_only_read_and_mlx_runs_in_the_decode_thread(monkeypatch,
     """Every MLX call the engine makes (arrays from records, installs, copies) happens in the
     decode thread; the reader threads only read, into host buffers (NumPy or slot memory)."""
     if install == "pinned":
-        real = device.resolve_install
-        monkeypatch.setattr(device, "resolve_install", lambda m, k=None: "pinned" if m == "pinned" else real(m, k))
-        monkeypatch.setattr(staging, "make_memory", staging.HostMemory)
+        force_pinned(monkeypatch)
     mlx_threads, read_threads, dest_types = set(), set(), set()
-    for mod in (moe, staging, slots, store_mod):
+    for mod in (hostcache, staging, slots, store_mod):
         monkeypatch.setattr(mod, "mx", _Spy(mx, mlx_threads))
     real_read = store_mod.Store.read_into
 
@@ -83,8 +81,8 @@ def test_reader_threads_only_read_and_mlx_runs_in_the_decode_thread(monkeypatch,
 
 def test_control_the_spy_sees_a_call_from_another_thread(monkeypatch):
     seen = set()
-    monkeypatch.setattr(moe, "mx", _Spy(mx, seen))
-    t = threading.Thread(target=lambda: moe.mx.array([1.0]), name="titan-reader-x")
+    monkeypatch.setattr(hostcache, "mx", _Spy(mx, seen))
+    t = threading.Thread(target=lambda: hostcache.mx.array([1.0]), name="titan-reader-x")
     t.start()
     t.join()
     assert seen == {"titan-reader-x"}

@@ -142,7 +142,7 @@ def main(argv=None):
     layers = []
     for o, b in enumerate(moe_blocks(eng.model, kinds=SlotSwitchGLU)):
         sw = b.switch
-        layers.append(multinode.DistributedSwitchGLU(sw.glu, sw._table, sw._cache, o, where[o], links, stats))
+        layers.append(multinode.DistributedSwitchGLU(sw.glu, sw._cache, o, where[o], links, stats))
         setattr(b.parent, b.attr, layers[-1])
     scheduler = None
     if a.adaptive_every:

@@ -29,11 +29,11 @@ import mlx.core as mx
 import numpy as np
 
 from .. import versions
+from ..device import device_indices
 from ..models import registry
 from ..models.anatomy import moe_layers
 from ..runtime.engine import build_cache, open_store
-from ..runtime.moe import SlotSwitchGLU
-from ..runtime.slots import device_indices
+from ..runtime.moe import SlotSwitchGLU, point
 from . import placement as pl
 
 STOP, COMPUTE, PLACE = 0, 1, 2
@@ -194,8 +194,8 @@ class Link:
 class DistributedSwitchGLU(SlotSwitchGLU):
     """Node 0's SwitchGLU: local experts from its own slot table, remote ones on their node."""
 
-    def __init__(self, glu, table, cache, layer, executes_on: np.ndarray, links: dict, stats: dict):
-        super().__init__(glu, table, cache, layer)
+    def __init__(self, glu, cache, layer, executes_on: np.ndarray, links: dict, stats: dict):
+        super().__init__(glu, cache, layer)
         self._links = links
         self._stats = stats
         self.set_placement(executes_on)
@@ -277,7 +277,7 @@ def serve(group, dog: Watchdog, model_id: str, executes_on: np.ndarray, wire, ti
         table = cache.reset_layer(o, max(1, len(mine)))
         if mine:
             cache.read_misses(o, mine, protected=set(mine))
-        SlotSwitchGLU(glu, table, cache, o)  # points mlx-lm's SwitchGLU at the new buffers
+        point(glu, cache.tensors, table.buffers)  # mlx-lm's SwitchGLU over the new buffers
         mx.eval(table.buffers)
         slot_of = np.zeros(st.num_experts(o), np.int64)
         slot_of[mine] = table.slot_of[mine]

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import resources_dir
-from ..device import kind
+from ..device import device_indices, kind
 
 NAMES = ("none", "popularity", "previous", "transition", "probe", "oracle")
 FITTED = ("popularity", "transition", "probe")
@@ -46,6 +46,25 @@ class Context:
     hidden: np.ndarray | None  # this token's MoE input at `layer` (float32), where a trace has it
     history: list  # per layer, the most recent expert set seen there (or None)
     scores: np.ndarray | None = None  # the predictor's own scores, computed on the device
+
+
+@dataclass
+class DeviceContext:
+    """What a predictor may look at on the device when layer `layer` of the token at `position`
+    decodes with the `device` install (nothing is read back): its MoE input `x` and router indices
+    `inds` as the layer has them, each layer's indices at the last decode step (`last`), and
+    `memo`, where the predictor keeps the device arrays it makes for this engine."""
+
+    position: int
+    layer: int
+    target: int
+    offset: int
+    x: mx.array
+    inds: mx.array
+    last: list
+    memo: dict
+    num_layers: int
+    num_experts: int
 
 
 def target_of(layer: int, depth: int, num_layers: int):
@@ -68,6 +87,7 @@ class Predictor:
     # A predictor that scores on the device (`device_scores`) while decoding: its scores come back
     # in the synchronisation that brings the router's indices, as `Context.scores`.
     scores_on_device = False
+    demand_only = False  # predicts nothing: the engine loads on demand
 
     def __init__(self, depth: int = 1, size: int = 8, min_prob: float = 0.0):
         if not 0.0 <= min_prob <= 1.0:
@@ -84,8 +104,24 @@ class Predictor:
     def fit(self, trace):
         return self
 
+    def bind(self, experts: np.ndarray):
+        """The (T, L, K) expert sets of the run about to decode, for a predictor that reads them."""
+        return self
+
     def predict(self, ctx: Context) -> np.ndarray:
         raise NotImplementedError
+
+    def device_predict(self, ctx: DeviceContext) -> mx.array | None:
+        """Layer `ctx.target`'s predicted experts on the device, lazily, (m,) int32 with -1 for
+        dropped ones (shapes stay static); None: nothing to predict. The `device` install asks this."""
+        raise ValueError(f"predictor {self.name!r} has no device-side prediction")
+
+    def device_prepare(self, memo: dict):
+        """Make, and evaluate, what device_predict will need before a decode starts."""
+
+    def _floor_on_device(self, top: mx.array, prob: mx.array) -> mx.array:
+        """`top` with the experts below `min_prob` (by `prob`, the estimates of every expert) as -1."""
+        return mx.where(prob[top] >= self.min_prob, top, -1) if self.min_prob > 0 else top
 
     def state(self) -> dict:
         return {}
@@ -96,6 +132,7 @@ class Predictor:
 
 class NoPredictor(Predictor):
     name = "none"
+    demand_only = True
 
     def predict(self, ctx):
         return np.zeros(0, np.int64)
@@ -120,6 +157,13 @@ class Popularity(Predictor):
     def predict(self, ctx):
         return self._sure(_top(self.counts[ctx.target].astype(float), self.size), lambda: self.prob(ctx))
 
+    def device_predict(self, ctx):
+        key = ("popularity", ctx.target)
+        if key not in ctx.memo:  # a constant per target layer
+            host = Context(0, ctx.layer, ctx.target, ctx.offset, np.zeros(0, np.int64), None, [None] * ctx.num_layers)
+            ctx.memo[key] = device_indices(self.predict(host), np.int32)
+        return ctx.memo[key]
+
     def state(self):
         return {"counts": self.counts, "top_k": np.int64(self.top_k)}
 
@@ -133,6 +177,10 @@ class Previous(Predictor):
     def predict(self, ctx):
         last = ctx.history[ctx.target]
         return np.zeros(0, np.int64) if last is None else np.asarray(last)[: self.size]
+
+    def device_predict(self, ctx):
+        last = ctx.last[ctx.target]  # the target layer's experts at the last decode step
+        return None if last is None else last.reshape(-1)[: self.size]
 
 
 def pairs(trace, layer: int, depth: int):
@@ -173,6 +221,24 @@ class Transition(Predictor):
         scores = self.counts[ctx.layer][np.asarray(ctx.experts, np.int64)].sum(0).astype(float)
         top = _top(scores, self.size, self.popularity[ctx.target].astype(float))
         return self._sure(top, lambda: self.prob(ctx))
+
+    def device_predict(self, ctx):
+        memo, E = ctx.memo, ctx.num_experts
+        if ("counts", ctx.layer) not in memo:
+            memo["counts", ctx.layer] = mx.array(self.counts[ctx.layer].astype(np.int32))
+        if ("popularity", ctx.target) not in memo:
+            memo["popularity", ctx.target] = mx.array(self.popularity[ctx.target].astype(np.int64))
+        rows = memo["counts", ctx.layer][ctx.inds.reshape(-1).astype(mx.int32)]  # (K, E)
+        scores = rows.sum(0).astype(mx.int64)
+        pop = memo["popularity", ctx.target]
+        # `_top`'s order (score, then popularity, then the lower index) as one integer key
+        key = (scores * (pop.max() + 1) + pop) * E + (E - 1 - mx.arange(E, dtype=mx.int64))
+        top = mx.argsort(-key)[: self.size].astype(mx.int32)
+        if self.min_prob <= 0:
+            return top
+        return self._floor_on_device(
+            top, scores.astype(mx.float32) / mx.maximum(1.0, rows.sum().astype(mx.float32) / self.top_k)
+        )
 
     def state(self):
         return {"counts": self.counts, "popularity": self.popularity, "top_k": np.int64(self.top_k)}
@@ -224,6 +290,11 @@ class Probe(Predictor):
                 tuple(mx.array(a[l]) for a in (self.mean, self.std, self.W, self.b)) for l in range(len(self.W))
             ]
         return _probe_scores(x, *self._device[layer])
+
+    def device_predict(self, ctx):
+        scores = self.device_scores(ctx.layer, ctx.x.reshape(-1, ctx.x.shape[-1])[-1])
+        top = mx.argsort(-scores)[: self.size].astype(mx.int32)
+        return self._floor_on_device(top, mx.sigmoid(scores)) if self.min_prob > 0 else top
 
     def _scores_of(self, ctx):
         return ctx.scores if ctx.scores is not None else self.scores(ctx.layer, ctx.hidden)
@@ -319,6 +390,25 @@ class Oracle(Predictor):
         if t >= len(self.sets):
             return np.zeros(0, np.int64)
         return self.sets[t, ctx.target].astype(np.int64)[: self.size]
+
+    def device_predict(self, ctx):
+        t = ctx.position + ctx.offset
+        if t >= len(self.sets):
+            return None
+        return self.device_prepare(ctx.memo)[t][ctx.target]
+
+    def device_prepare(self, memo):
+        """The bound trace's predictions on the device, uploaded once per binding and evaluated
+        there as one row a token and layer: a token's prediction is then an array already made,
+        not an operation of its graph (the engine prepares them when the trace is bound, so that
+        no decode token waits for them)."""
+        bound = memo.get("oracle")
+        if bound is None or bound[0] is not self.sets:  # held here, so never another array at the same address
+            trace = device_indices(self.sets[:, :, : self.size], np.int32)
+            rows = [[trace[t, layer] for layer in range(trace.shape[1])] for t in range(len(self.sets))]
+            mx.eval(rows)
+            memo["oracle"] = bound = (self.sets, rows)
+        return bound[1]
 
 
 CLASSES = {c.name: c for c in (NoPredictor, Popularity, Previous, Transition, Probe, Oracle)}

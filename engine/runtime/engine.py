@@ -1,22 +1,16 @@
 """The engine: an mlx-lm model whose MoE blocks compute over slot tables filled from the expert
-store. `build_cache` makes the store's tables and the cache for any user of them (the engine,
-the benches, a remote node of a multi-node run)."""
+store. `build_cache` makes a store's cache for any user of one (the benches, a remote node of a
+multi-node run)."""
 
 import sys
 
 import mlx.core as mx
 
-from .. import device
-from ..config import EngineConfig, build_lock, resolved_overlap, resources_dir
+from ..config import EngineConfig, build_lock, resources_dir
 from ..models.anatomy import expert_params, moe_blocks, top_k_of
-from ..predict import predictors
-from . import hosttier
+from . import installs
 from . import store as store_mod
-from .devicemap import DeviceCache, DeviceSwitchGLU
-from .deviceprefetch import DevicePrefetch
-from .moe import ExpertCache, SlotSwitchGLU
-from .prefetch import NoPrefetch
-from .slots import SlotTable
+from .moe import SlotSwitchGLU
 
 
 def store_dir(model_id: str):
@@ -36,32 +30,30 @@ def open_store(model_id: str, model, model_path, tier="page_cache", readers=4, v
     return store_mod.Store(path, model_path=model_path, tier=tier, readers=readers, verify=verify)
 
 
-def build_cache(
-    store,
-    slots,
-    eviction="lru",
-    install="auto",
-    prefetcher=None,
-    sync="batched",
-    staging_records=64,
-    overlap=True,
-    layers=None,
-) -> ExpertCache:
-    """One slot table per MoE layer of `store` (`slots` per layer: one number, or one per layer)
-    and the cache over them. `install` is resolved for this device (engine.device)."""
-    layers = list(range(store.num_layers)) if layers is None else list(layers)
-    per_layer = [slots] * len(layers) if isinstance(slots, int) else list(slots)
-    mode = device.resolve_install(install)
-    tables = [SlotTable(o, store.num_experts(o), s, store.tensors, eviction, mode) for o, s in zip(layers, per_layer)]
-    return ExpertCache(store, tables, prefetcher or NoPrefetch(), sync, staging_records, overlap)
+def host_tier_bytes(store) -> int:
+    """What the device install's host tier of `store` takes: every expert's record."""
+    return sum(store.num_experts(o) for o in range(store.num_layers)) * store.record_bytes
+
+
+def build_cache(store, slots, config: EngineConfig | None = None, prefetcher=None, layers=None, device_ok=False):
+    """The cache of a store's `layers` (all by default) with `slots` per layer (one number, or one
+    per layer), its install chosen for this device from `config.install` (a host install unless
+    `device_ok`)."""
+    config = config or EngineConfig()
+    full = all(s == store.num_experts(0) for s in ([slots] if isinstance(slots, int) else slots))
+    chosen = installs.choose(config.install, host_tier_bytes(store), full, device_ok)
+    return chosen(store, config).cache(slots, config, prefetcher, layers)
 
 
 class Engine:
     """An mlx-lm model whose experts live in slot tables filled from the expert store.
 
-    Made by `engine.load(model_id, config)`, or from an already loaded (lazy) mlx-lm model."""
+    Made by `engine.load(model_id, config)`, or from an already loaded (lazy) mlx-lm model.
+    `install`: the install class (installs.choose) where the caller chose it (a memory plan);
+    otherwise it is chosen here, from `config.install`."""
 
-    def __init__(self, model, tokenizer, spec, model_path, config: EngineConfig | None = None, prefetcher=None):
+    def __init__(self, model, tokenizer, spec, model_path, config: EngineConfig | None = None, prefetcher=None,
+                 install=None):  # fmt: skip
         config = config or EngineConfig()
         self.model, self.tokenizer, self.spec, self.config = model, tokenizer, spec, config
         blocks = moe_blocks(model)
@@ -86,79 +78,31 @@ class Engine:
             raise store_mod.StoreError(
                 f"{self.store.path}: {self.store.num_layers} MoE layers, model has {len(blocks)}"
             )
-        self.install = self._choose_install(config, prefetcher)
-        overlap = resolved_overlap(config.overlap, self.install)
-        if self.install == "device":
-            try:
-                device_pf = None
-                if prefetcher is not None and not isinstance(prefetcher, NoPrefetch):
-                    device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, len(blocks), num_experts)
-                self.cache = DeviceCache(self.store, slots, prefetcher=device_pf, overlap=overlap)
-            except BaseException:
-                self.store.close()
-                raise
-            self.tables = self.cache.tables
-            for o, b in enumerate(blocks):
-                setattr(b.parent, b.attr, DeviceSwitchGLU(b.switch, self.cache, o))
-        else:
-            self.cache = build_cache(
-                self.store,
-                slots,
-                config.eviction,
-                self.install,
-                prefetcher,
-                config.sync,
-                config.staging_records,
-                overlap,
-            )
-            self.tables = self.cache.tables
-            for o, b in enumerate(blocks):
-                setattr(b.parent, b.attr, SlotSwitchGLU(b.switch, self.tables[o], self.cache, o))
-                if self.tables[o].full:
-                    self.cache.fill(o)
+        try:
+            chosen = install or installs.choose(config.install, host_tier_bytes(self.store), slots == num_experts)
+            self.install = chosen(self.store, config)
+            self.cache = self.install.cache(slots, config, prefetcher)
+        except BaseException:
+            self.store.close()
+            raise
+        for o, b in enumerate(blocks):
+            setattr(b.parent, b.attr, SlotSwitchGLU(b.switch, self.cache, o))
         # Everything but the experts (which were never materialised) loads now.
         mx.eval(model.parameters())
-
-    def _choose_install(self, config, prefetcher) -> str:
-        """The install that runs: `auto` per device (engine.device), and on a CUDA GPU the `device`
-        install only when the host tier fits in host memory; said on stderr when `auto` steps back."""
-        mode = device.resolve_install(config.install)
-        if mode != "device":
-            return mode
-        if config.install == "auto" and self.slots == self.num_experts:
-            return device.resolve_install("pinned")  # every expert resident: no miss, no host tier needed
-        need = self.store.num_layers * self.num_experts * self.store.record_bytes
-        why = None
-        if not hosttier.fits(need):
-            why = f"its host tier ({need / 1e9:.2f} GB) does not fit in this machine's available memory"
-        if why is None:
-            return mode
-        if config.install == "device":
-            self.store.close()
-            raise ValueError(f"--install device cannot run here: {why}")
-        fallback = device.resolve_install("pinned")
-        print(f"[titan] install auto: {fallback}, not device: {why}", file=sys.stderr, flush=True)
-        return fallback
 
     @property
     def predictor(self):
         return getattr(self.cache.prefetcher, "predictor", None)
 
     def bind_oracle(self, experts):
-        """Give the oracle predictor the (T, L, K) expert sets of the run about to decode."""
-        if isinstance(self.predictor, predictors.Oracle):
+        """Give a predictor that reads the run's own trace (the oracle) the (T, L, K) expert sets of
+        the run about to decode."""
+        if self.predictor is not None:
             self.predictor.bind(experts)
-            if self.install == "device" and self.cache.prefetcher is not None:
-                self.cache.prefetcher.rows(experts)  # uploaded now, not inside the first decode token
+            self.cache.prepare()
 
     def counters(self) -> dict:
-        if self.install == "device":
-            return self.cache.counters()
-        total = {}
-        for t in self.tables:
-            for k, v in t.counters().items():
-                total[k] = total.get(k, 0) + v
-        return total
+        return self.cache.counters()
 
     def close(self):
         self.cache.close()

@@ -1,16 +1,20 @@
-"""Installs: how read expert records become a slot's bytes, one object per engine, one interface.
+"""Installs: how read expert records become a slot's bytes, one object per engine, one interface,
+and which install runs (`choose`, called once where an engine is built).
 
 - `inplace` (the CPU's and Apple Silicon's): a read lands in its slot's own buffers, the slot
   claimed before the read; nothing is left to install.
 - `copy` (the paper's path): a read lands in a host record; MLX arrays made from it are written
   into the slot.
-- `pinned` (a CUDA GPU's): a read lands in a record of mapped pinned memory (engine.runtime.staging);
-  one copy kernel moves a batch of them into the slots.
+- `pinned` (a CUDA GPU's host-side path): a read lands in a record of mapped pinned memory
+  (engine.runtime.staging); one copy kernel moves a batch of them into the slots.
+- `device` (a CUDA GPU's default): every expert in pinned host memory and the slot maps on the
+  device, so that the host never looks inside a token (engine.runtime.device).
 
-The expert cache (engine.runtime.moe.ExpertCache) decides what to read and when, and owns every
-slot and counter; an install says where a read lands and installs what arrived, returning its
-timings. The `device` install keeps misses off the host altogether and is a cache of its own
-(engine.runtime.devicemap).
+An install object knows its name (for records), what memory it needs beside the slot tables
+(`buffer_bytes`, `area_bytes`: what `--memory` plans with) and makes its cache (`cache`). The
+host installs share Algorithm 1's host cache (engine.runtime.hostcache.ExpertCache), which decides
+what to read and when and owns every slot and counter; such an install says where a read lands
+and installs what arrived, returning its timings.
 """
 
 import time
@@ -19,8 +23,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .. import device as backend
 from . import staging
-from .slots import mx_dtype
+from .device import DeviceCache, DevicePrefetch, hosttier
+from .hostcache import ExpertCache
+from .prefetch import NoPrefetch
+from .slots import SlotTable, mx_dtype
 from .store import NP_DTYPES
 
 # The largest batch of reads done in the decode thread rather than handed to the reader threads:
@@ -77,16 +85,49 @@ def records_to_mx(block: np.ndarray, tensors, one_array: bool) -> list:
 
 
 class Install:
-    """The interface: `read` a layer's records, `fill` a whole table, `load` a batch of misses into
-    claimed slots, `reserve` destinations for prefetched reads, `place` arrived ones into claimed
-    slots, `discard`/`abandon` what will never be installed, `close`."""
+    """A host install. What every install has: `name`, `buffer_bytes` and `area_bytes` (memory
+    beside the slot tables), `overlap` (its default for EngineConfig.overlap), `cache` (its
+    engine-wide cache). What the host cache asks of it: `read` a layer's records, `fill` a whole
+    table, `load` a batch of misses into claimed slots, `reserve` destinations for prefetched
+    reads, `place` arrived ones into claimed slots, `discard`/`abandon` what will never be
+    installed, `close`."""
 
     name = ""
+    host_views = False  # its slot tables are written through host views (slots.SlotTable)
     claims_first = False  # a prefetched read's slot is claimed when it is issued (else on arrival)
     can_abandon = False  # a wasted prefetch still reading may be left to finish on its own
+    overlap_default = True  # start each layer's compute at once (EngineConfig.overlap's None)
+    host_reads = True  # the host reads its misses (a decode's per-miss split means something)
 
-    def __init__(self, store):
+    def __init__(self, store, config=None):
         self.store = store
+
+    @staticmethod
+    def buffer_bytes(record_bytes: int, readers: int, staging_records: int) -> int:
+        """The memory reads go through, beside the slot tables (engine.memory's plan)."""
+        return readers * record_bytes
+
+    @staticmethod
+    def area_bytes(experts: int, expert_bytes: int) -> int:
+        """The many-rows area's memory: one table of every expert of a layer (hostcache)."""
+        return experts * expert_bytes
+
+    def overlap(self, config) -> bool:
+        return self.overlap_default if config.overlap is None else config.overlap
+
+    def cache(self, slots, config, prefetcher=None, layers=None) -> ExpertCache:
+        """Slot tables of `slots` (one number, or one per layer) for `layers` of the store (all by
+        default), each full one filled, and Algorithm 1's host cache over them."""
+        store = self.store
+        layers = list(range(store.num_layers)) if layers is None else list(layers)
+        per_layer = [slots] * len(layers) if isinstance(slots, int) else list(slots)
+        tables = [SlotTable(o, store.num_experts(o), s, store.tensors, config.eviction, self.host_views)
+                  for o, s in zip(layers, per_layer)]  # fmt: skip
+        cache = ExpertCache(store, tables, prefetcher or NoPrefetch(), self, config.sync, self.overlap(config))
+        for i, t in enumerate(tables):
+            if t.full:
+                cache.fill(i)
+        return cache
 
     def read(self, layer: int, reads, inline: bool = True) -> list:
         """Read `reads` = [(expert, destinations)] of one layer; returns each read's seconds. A batch
@@ -138,6 +179,7 @@ class Install:
 
 class InplaceInstall(Install):
     name = "inplace"
+    host_views = True
     claims_first = True
 
     def fill(self, table, layer):
@@ -164,9 +206,13 @@ class InplaceInstall(Install):
 class CopyInstall(Install):
     name = "copy"
 
-    def __init__(self, store, one_array: bool):
+    def __init__(self, store, config=None, one_array: bool | None = None):
         super().__init__(store)
-        self.one_array = one_array  # how arrays are made (records_to_mx)
+        self.one_array = backend.one_array() if one_array is None else one_array  # how arrays are made (records_to_mx)
+
+    @staticmethod
+    def buffer_bytes(record_bytes, readers, staging_records):
+        return 2 * max(readers, 8) * record_bytes
 
     def fill(self, table, layer):
         batch = 8  # bounds the host records held at once
@@ -212,11 +258,16 @@ class PinnedInstall(Install):
     name = "pinned"
     can_abandon = True
 
-    def __init__(self, store, records: int = 64):
+    def __init__(self, store, config=None, records: int | None = None):
         super().__init__(store)
+        records = records or (config.staging_records if config is not None else 64)
         self.pool = staging.StagingPool(
             records, store.record_bytes, store.tensors, staging.make_memory(records, store.record_bytes, store.tensors)
         )
+
+    @staticmethod
+    def buffer_bytes(record_bytes, readers, staging_records):
+        return staging_records * record_bytes
 
     def fill(self, table, layer):
         everyone = list(range(table.num_experts))
@@ -275,12 +326,86 @@ class PinnedInstall(Install):
         self.pool.close()
 
 
-def make(mode: str, store, one_array: bool, staging_records: int = 64) -> Install:
-    """The install object of an install mode (`device.resolve_install` has already resolved it)."""
-    if mode == "inplace":
-        return InplaceInstall(store)
-    if mode == "copy":
-        return CopyInstall(store, one_array)
-    if mode == "pinned":
-        return PinnedInstall(store, staging_records)
-    raise ValueError(f"no install {mode!r} for a slot table (one of inplace, copy, pinned)")
+class DeviceInstall(Install):
+    """Every expert in the host tier, the slot maps on the device: its cache is engine.runtime.device's."""
+
+    name = "device"
+    host_reads = False  # the device reads them from the host tier, inside the token's graph
+    # Its prefetches queue on the decode stream unless asked (EngineConfig.overlap): on the H200 a
+    # stream of their own cost more host time per token than their reads overlapped (0.40-0.45x of
+    # resident against 0.54-0.56x for the oracle at S = 16, docs/gpu.md).
+    overlap_default = False
+
+    @staticmethod
+    def buffer_bytes(record_bytes, readers, staging_records):
+        return 0  # its host tier is host memory, not the device's: no read buffer here
+
+    @staticmethod
+    def area_bytes(experts, expert_bytes):
+        """Two many-rows areas: a layer's and, copied ahead during its compute, the next one's."""
+        return 2 * experts * expert_bytes
+
+    def cache(self, slots, config, prefetcher=None, layers=None) -> DeviceCache:
+        store = self.store
+        if layers is not None and list(layers) != list(range(store.num_layers)):
+            raise ValueError("the device install holds every MoE layer of its store")
+        device_pf = None
+        if prefetcher is not None and prefetcher.depth > 0:
+            device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, store.num_layers, store.num_experts(0))
+        ahead = True if config.area_ahead is None else config.area_ahead
+        return DeviceCache(store, slots, self, prefetcher=device_pf, overlap=self.overlap(config), area_ahead=ahead)
+
+
+INSTALLS = {c.name: c for c in (InplaceInstall, CopyInstall, PinnedInstall, DeviceInstall)}
+CHOICES = ("auto", *INSTALLS)  # what --install takes
+
+
+def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, device_kind=None):
+    """The install class that runs for `--install asked`, chosen once where an engine is built:
+
+    - `auto`: `inplace` on the CPU; on a CUDA GPU `device`, or `pinned` where every expert is
+      resident anyway (`full`: no miss, no host tier needed) or its host tier (`host_tier_bytes`)
+      does not fit in host memory; `copy` on a GPU where the pinned path cannot run (Apple Silicon);
+    - `device`: refused by name where its host tier does not fit; on the CPU its steps run as MLX
+      operations, the same bookkeeping, tested there;
+    - `inplace` on a GPU is `pinned` (a host view of a slot table cannot be shared with the device),
+      `pinned` on the CPU is `inplace`, and `pinned` where it cannot run is `copy`.
+    A fallback is said on stderr. `device_ok` False: a host install (a multi-node run's tables)."""
+    gpu = (device_kind or backend.kind()) == "gpu"
+    if asked not in CHOICES:
+        raise ValueError(f"no install {asked!r} (one of {', '.join(CHOICES)})")
+    tier = f"its host tier ({host_tier_bytes / 1e9:.2f} GB) does not fit in this machine's available memory"
+    if asked == "auto":
+        if not gpu:
+            return InplaceInstall
+        why = backend.pinned_unavailable()
+        if why:
+            backend.say(f"install auto: copy, since the pinned path cannot run: {why}")
+            return CopyInstall
+        if full or not device_ok:
+            return PinnedInstall
+        if not hosttier.fits(host_tier_bytes):
+            backend.say(f"install auto: pinned, not device: {tier}")
+            return PinnedInstall
+        return DeviceInstall
+    if asked == "device":
+        if not device_ok:
+            raise ValueError("--install device: this path needs a host install (inplace, copy or pinned)")
+        if not hosttier.fits(host_tier_bytes):
+            raise ValueError(f"--install device cannot run here: {tier}")
+        return DeviceInstall
+    if asked == "inplace" and gpu:
+        # A host view of a slot table moves it to managed memory for good (engine.device): reader
+        # threads would then write into pages the device is reading. The suite's one unexplained
+        # device fault of 2026-12-04 was on this path (docs/gpu.md).
+        backend.say("install inplace takes host views of the slot tables, which a GPU cannot share; using pinned")
+        return choose("pinned", host_tier_bytes, full, device_ok, device_kind)
+    if asked == "pinned":
+        if not gpu:
+            backend.say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")
+            return InplaceInstall
+        why = backend.pinned_unavailable()
+        if why:
+            backend.say(f"install pinned cannot run: {why}; using copy")
+            return CopyInstall
+    return INSTALLS[asked]

@@ -10,8 +10,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..device import device_indices
 from .moe import StepStats, engine_layers
-from .slots import device_indices
 
 
 class MemoryWatch:

@@ -20,7 +20,7 @@ the decode thread at the drain, never swallowed, never a hang.
 import time
 from dataclasses import dataclass, field
 
-from ..predict.predictors import Context, NoPredictor, target_of
+from ..predict.predictors import Context, target_of
 
 
 class NoPrefetch:
@@ -144,6 +144,6 @@ class Prefetcher:
 
 def make(name: str, depth: int, predictor=None):
     """The prefetcher for a predictor name (`none` means demand loading)."""
-    if name == "none" or isinstance(predictor, NoPredictor):
+    if name == "none" or (predictor is not None and predictor.demand_only):
         return NoPrefetch()
     return Prefetcher(predictor, depth)

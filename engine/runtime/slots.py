@@ -3,16 +3,12 @@
 The buffers are the very arrays mlx-lm's `gather_qmm` reads (the engine points the model's
 SwitchGLU at them), so a resident expert is computed on exactly the bytes mlx-lm would use.
 
-Two install modes:
-- `inplace` (default): the store's `preadv` lands straight in a slot's memory through a
-  writable view of the evaluated MLX buffer; no array is created and nothing is copied again.
-  Safe because a slot is only written at a layer's host synchronisation, when no pending MLX
-  work reads this layer's buffers.
-- `copy`: the paper's path: the read lands in a NumPy record, the consuming thread creates
-  MLX arrays and writes them with `buffer[slot] = array`, lazily (MLX reuses the buffer).
-- `pinned` (a CUDA GPU's default): the read lands in a pinned staging record, one copy kernel
-  moves a batch of records to the device and each buffer takes the batch with one scatter
-  (`install_batch`; engine.staging).
+Where a read lands in a table is its install's (engine.runtime.installs): with `host_views` (the
+`inplace` install) the store's `preadv` lands straight in a slot's memory through a writable view
+of the evaluated MLX buffer, safe because a slot is only written at a layer's host
+synchronisation, when no pending MLX work reads this layer's buffers; otherwise no host view is
+ever taken (on a GPU it would move the buffers out of device memory for good) and the install
+writes slots with MLX operations (`install_arrays`, `install_batch`).
 """
 
 import heapq
@@ -21,8 +17,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-INSTALL_MODES = ("inplace", "copy", "pinned")  # `auto` (engine option) picks one per device: engine.device
-# and `device` (engine.runtime.devicemap), whose tables are not SlotTables
+from ..device import device_indices
 
 
 class LRU:
@@ -111,39 +106,6 @@ def address(a) -> int:
     return np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data
 
 
-SMALL_POOL_BYTES = 8  # MLX's CUDA allocator serves an allocation this size or smaller from its small pool
-INDEX_BLOCK_BYTES = 16  # the least a host-made index array the device reads is given
-
-
-def index_block(values, dtype=np.uint32) -> np.ndarray:
-    """`values` flat, as `dtype`, in a host array of at least INDEX_BLOCK_BYTES (zeros after them)."""
-    a = np.ascontiguousarray(values, dtype).reshape(-1)
-    if a.nbytes > SMALL_POOL_BYTES:
-        return a
-    block = np.zeros(INDEX_BLOCK_BYTES // a.itemsize, dtype)
-    block[: a.size] = a
-    return block
-
-
-def device_indices(values, dtype=np.uint32) -> mx.array:
-    """Indices, addresses or masks made on the host for the device to read (a layer's slots, a
-    batch's staging records, a step's tokens, a staging area's address, a prefill's row mask) as
-    an MLX array of `dtype` and `values`' shape.
-
-    Never in MLX's CUDA small pool, which serves every allocation of 8 bytes or fewer: on the
-    H200 (mlx 0.32.4), after tests that cleared MLX's cache (`mx.clear_cache`, which mlx-lm's
-    generate_step calls) on several streams, decoding with slot indices of 8 uint8s ended in an
-    illegal memory access (4 processes of 4); with the indices as uint32 (32 bytes) the same
-    order passed, as it did without the cache clearing, with one stream or with blocking
-    launches, and more synchronisation did not help (docs/gpu.md). A smaller array is a view of
-    a 16-byte block, so that its buffer is never the pool's either."""
-    a = np.ascontiguousarray(values, dtype)
-    block = index_block(a, dtype)
-    if block.size == a.size:
-        return mx.array(a)  # in its shape: no reshape on the decode path
-    return mx.array(block)[: a.size].reshape(a.shape)
-
-
 def aligned_zeros(shape, dtype, align=4096):
     """A zeroed MLX array whose data starts on an `align`-byte boundary.
 
@@ -166,17 +128,15 @@ def aligned_zeros(shape, dtype, align=4096):
 class SlotTable:
     """S slots for one MoE layer, the map expert -> slot, an eviction policy and counters."""
 
-    def __init__(self, layer: int, num_experts: int, slots: int, tensors, policy="lru", install="inplace"):
-        if install not in INSTALL_MODES:
-            raise ValueError(f"install must be one of {INSTALL_MODES}, not {install!r}")
+    def __init__(self, layer: int, num_experts: int, slots: int, tensors, policy="lru", host_views=True):
         if not 1 <= slots <= num_experts:
             raise ValueError(f"slots must be between 1 and {num_experts}, not {slots}")
         self.layer = layer
         self.num_experts = num_experts
         self.slots = slots
         self.tensors = list(tensors)
-        self.install_mode = install
-        if install == "inplace":
+        self.host_views = host_views
+        if host_views:
             self.buffers = [aligned_zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
             # Writable byte views of the evaluated buffers; valid as long as no op replaces them.
             self._rows = [memoryview(b).cast("B") for b in self.buffers]
@@ -186,8 +146,6 @@ class SlotTable:
                 for s in range(slots)
             ]
         else:
-            # No host view is ever taken: on a GPU it would move the buffers out of device memory.
-
             self.buffers = [mx.zeros((slots, *t.shape), mx_dtype(t.dtype)) for t in self.tensors]
             mx.eval(self.buffers)
             self._rows = None
@@ -209,7 +167,7 @@ class SlotTable:
     def dests(self, slot: int) -> tuple:
         """Writable views of one slot's tensors, in store order (for one `preadv`)."""
         if self._rows is None:
-            raise RuntimeError(f"MoE layer {self.layer}: a {self.install_mode}-mode table takes no direct writes")
+            raise RuntimeError(f"MoE layer {self.layer}: a table without host views takes no direct writes")
         return self._dests[slot]
 
     def touch(self, experts):
@@ -245,9 +203,9 @@ class SlotTable:
             heapq.heappush(self._free, slot)
 
     def install_arrays(self, slot: int, arrays):
-        """Copy mode: write MLX arrays (made in this thread) into a slot, lazily."""
+        """Write MLX arrays (made in this thread) into a slot, lazily."""
         if self._rows is not None:
-            raise RuntimeError(f"MoE layer {self.layer}: install_arrays on an {self.install_mode}-mode table")
+            raise RuntimeError(f"MoE layer {self.layer}: install_arrays on a table with host views")
         for buf, a in zip(self.buffers, arrays):
             buf[slot] = a
 
@@ -255,7 +213,7 @@ class SlotTable:
         """Write a batch of experts, one stacked (n, *shape) array per tensor, into `slots`:
         one scatter per tensor, lazily (MLX donates the buffer, so the write is in place)."""
         if self._rows is not None:
-            raise RuntimeError(f"MoE layer {self.layer}: install_batch on an {self.install_mode}-mode table")
+            raise RuntimeError(f"MoE layer {self.layer}: install_batch on a table with host views")
 
         idx = device_indices(slots)
         for buf, a in zip(self.buffers, stacked):

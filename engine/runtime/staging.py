@@ -24,7 +24,7 @@ On a machine without MLX's CUDA backend the same pool runs over `HostMemory`, wh
 rows of an evaluated MLX array and whose "kernel" is a lazy gather from it: reads then happen at
 evaluation time exactly as on the GPU, so the pool's bookkeeping and the engine's batched
 installs are tested on the CPU (tests/test_staging.py). It is not a user-facing install mode on
-the CPU, where `inplace` is cheaper (`device.resolve_install`).
+the CPU, where `inplace` is cheaper (`installs.choose`).
 """
 
 import functools
@@ -34,20 +34,16 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 
-from .. import cudart
-from .slots import aligned_zeros, device_indices
+from .. import device
+from ..device import device_indices
+from .slots import aligned_zeros
 from .store import PAGE, aligned_empty
 
 BATCH = 8  # records per copy kernel
 
 
-StagingError = cudart.CudaError  # the name this module's callers have known it by
-runtime = cudart.runtime
-unavailable_reason = cudart.unavailable_reason
-
-
 # -- the copy kernel ---------------------------------------------------------------------------------
-_CTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
+CTYPES = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}
 
 
 def grain(offset: int, nbytes: int, record_bytes: int) -> int:
@@ -68,7 +64,7 @@ def record_loops(tensors, record_bytes: int, count: str, record: str, dest) -> l
     lines = []
     for i, t in enumerate(tensors):
         g = grain(t.offset, t.nbytes, record_bytes)
-        ct, w = _CTYPES[g], t.nbytes // g
+        ct, w = CTYPES[g], t.nbytes // g
         src = f"(const {ct}*)(area + (unsigned long long){record} * {record_bytes}ULL + {t.offset}ULL)"
         lines.append(
             f"for (size_t i = first; i < (size_t){count} * {w}; i += step) {{ const size_t r = i / {w}; "
@@ -115,10 +111,10 @@ class CudaMemory:
     kind = "cuda"
 
     def __init__(self, records: int, record_bytes: int, tensors):
-        self.rt = runtime()
+        self.rt = device.cuda_runtime()
         self.record_bytes, self.tensors = record_bytes, list(tensors)
         self.host = aligned_empty(records * record_bytes).reshape(records, record_bytes)
-        self.registration = cudart.Registration(self.host, self.rt)
+        self.registration = device.Registration(self.host, self.rt)
         self.device_ptr = self.registration.device_ptr
         self.base = device_indices([self.device_ptr], np.uint64)  # the area's address, for the kernel
         mx.eval(self.base)

@@ -1,7 +1,7 @@
 """Offline replay of traces: the hit rate a predictor gives at S slots, beside LRU alone and
 Belady's optimal eviction at the same S.
 
-The replay drives the engine's own expert cache and prefetcher (engine.runtime.moe.ExpertCache,
+The replay drives the engine's own expert cache and prefetcher (engine.runtime.hostcache.ExpertCache,
 engine.runtime.prefetch) over slot tables without buffers: at every (token, layer) the cache's
 `ensure` follows Algorithm 1's order (drain the prefetches issued for this layer, predict and
 issue layer l+d's, then this token's hits and misses with eviction). Only the bytes are left out:
@@ -16,7 +16,8 @@ import numpy as np
 from ..predict.predictors import NoPredictor, Oracle
 from ..runtime import installs
 from ..runtime import prefetch as prefetch_mod
-from ..runtime.moe import ExpertCache, StepStats
+from ..runtime.hostcache import ExpertCache
+from ..runtime.moe import StepStats
 from ..runtime.slots import SlotTable
 
 
@@ -24,6 +25,7 @@ class _NoBytes:
     """The replay's store: experts of no bytes, each read done when it is submitted."""
 
     expert_bytes = 0
+    tensors = ()
 
     def submit_many(self, layer, reads, prefetch=False):
         done = []
@@ -48,6 +50,8 @@ class _TraceInput:
     """The predictor, handed each step's MoE input from the trace (the engine hands a device
     score instead, which a trace does not have)."""
 
+    demand_only = False
+
     def __init__(self, predictor, hidden):
         self.predictor, self.hidden, self.row = predictor, hidden, 0
 
@@ -70,7 +74,7 @@ def replay(trace, slots: int, predictor=None, depth: int = 1, eviction: str = "l
         given = _TraceInput(predictor, trace.hidden)
         prefetcher = prefetch_mod.make("none" if isinstance(predictor, NoPredictor) else "replay", depth, given)
         tables = [SlotTable(l, E, slots, [], eviction) for l in range(L)]
-        cache = ExpertCache(store, tables, prefetcher, install=_Counted(store))
+        cache = ExpertCache(store, tables, prefetcher, _Counted(store))
         for t in range(s.stop - s.start):
             given.row = s.start + t
             cache.begin_step(t, 1)

@@ -145,7 +145,7 @@ def device_install(bench: pd.DataFrame) -> str:
 
 
 ORACLE_TARGET = 0.8  # issue 29: oracle prefetch at S = 16, x resident
-# Where the engine's device install queues a prefetch by default (engine.config.resolved_overlap;
+# Where the engine's device install queues a prefetch by default (installs.DeviceInstall.overlap_default;
 # this layer imports no engine, a test holds the two together): on the decode stream.
 DEVICE_PREFETCH_ON_DECODE_STREAM = True
 STREAMS = {True: ("the decode stream", "--overlap off"), False: ("a stream of its own", "--overlap on")}

@@ -8,7 +8,7 @@ from snakemake.utils import validate
 
 validate(config, "../schemas/config.schema.yaml")
 
-from engine.models import registry
+from harness import models
 from harness import provenance
 
 # The interpreter running Snakemake runs the engine too (the project's virtual environment).
@@ -87,8 +87,8 @@ def raw_inputs(figdir):
 
 def spec(model):
     try:
-        return registry.get_spec(model)
-    except registry.RegistryError as e:
+        return models.get_spec(model)
+    except models.RegistryError as e:
         raise WorkflowError(str(e))
 
 
@@ -102,11 +102,11 @@ def config_models(section):
 def trained_base(model):
     """The model whose training run writes `model`: itself, or the model it is the float32 variant of."""
     base = model.removesuffix("-f32")
-    return base if base != model and "training" in registry.load_registry().get(base, {}) else model
+    return base if base != model and "training" in models.load_registry().get(base, {}) else model
 
 
 # The models a training run makes (olmoe-trained also writes olmoe-trained-f32).
-TRAINED = sorted({trained_base(m) for m, s in registry.load_registry().items() if "training" in s})
+TRAINED = sorted({trained_base(m) for m, s in models.load_registry().items() if "training" in s})
 
 
 def trained_models():
@@ -123,8 +123,8 @@ def check_models():
         s = spec(m)
         if s["kind"] == "real":
             try:
-                registry.real_model_dir(s)
-            except registry.RegistryError as e:
+                models.real_model_dir(s)
+            except models.RegistryError as e:
                 raise WorkflowError(f"profile {config['profile']}: {e}")
 
 
@@ -144,7 +144,7 @@ def check_values():
     within("design.slots", d["slots"], d["top_k"], d["experts"], "design.top_k..design.experts")
     po = config["prefetch_online"]
     for m in po["models"]:
-        shape = registry.shape(m)
+        shape = models.shape(m)
         E, K, L = shape["experts"] or 1 << 30, shape["top_k"] or 1, shape["layers"] or 1 << 30
         own = po.get("by_model", {}).get(m, {})
 
@@ -157,13 +157,13 @@ def check_values():
         within(*at("predict_size"), 1, E, f"{m}'s experts")
     sync = config["ablations"]["sync"]
     for m in sync["models"]:
-        shape = registry.shape(m)
+        shape = models.shape(m)
         within("ablations.sync.slots", sync["slots"], shape["top_k"] or 1, shape["experts"] or 1 << 30,
                f"{m}'s top_k..experts")
     if "claims_check" in config:
         cc = config["claims_check"]["sync"]
         for m in cc["models"]:
-            shape = registry.shape(m)
+            shape = models.shape(m)
             within("claims_check.sync.slots", cc["slots"], shape["top_k"] or 1, shape["experts"] or 1 << 30,
                    f"{m}'s top_k..experts")
 

@@ -21,7 +21,7 @@ rule plots:
     params:
         # the models whose routing was learnt (prediction_pays): said here, where the registry is
         # read anyway, so that the drawing job imports no engine
-        trained=sorted(m for m, s in registry.load_registry().items() if "training" in s),
+        trained=sorted(m for m, s in models.load_registry().items() if "training" in s),
     script:
         "../scripts/plots.py"
 

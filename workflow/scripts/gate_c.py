@@ -1,12 +1,12 @@
 """Gate C (prefetch_online): the sweep of one model, tier and prompt set; one raw file."""
 
-from engine.config import resources_dir
 from harness import online
+from harness.checkpoint import scratch_for
 from harness.report.jobs import run_gate
 
 # Scratch for the repetitions a sweep stopped by a time limit had finished (harness.checkpoint):
 # the rerun of this job resumes there. One per output file.
-partial = resources_dir() / "partial" / (snakemake.output[0].replace("/", "__") + ".json")
+partial = scratch_for(snakemake.output[0])
 
 s, wc = snakemake.params.settings, snakemake.wildcards
 run_gate(

@@ -1,7 +1,7 @@
 """The host tier: every MoE layer's expert records in host memory, filled once from the expert store.
 
 The `device` install keeps each layer's misses off the host: a kernel driven by the router's
-indices on the GPU reads them from here (engine.runtime.devicemap). On a CUDA GPU the records are
+indices on the GPU reads them from here (engine.runtime.device). On a CUDA GPU the records are
 page-aligned host memory registered once as mapped pinned memory (`cudaHostRegister`), which a
 kernel reads across PCIe at about a pinned `cudaMemcpy`'s speed; elsewhere (the CPU, CI) they are
 an evaluated MLX array read by MLX ops, so that the same bookkeeping runs and is tested there.
@@ -19,9 +19,10 @@ import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
 
-from .. import cudart
-from .slots import aligned_zeros, device_indices
-from .store import aligned_empty
+from ... import device
+from ...device import device_indices
+from ..slots import aligned_zeros
+from ..store import aligned_empty
 
 
 class HostTierError(RuntimeError):
@@ -85,9 +86,9 @@ class HostTier:
             self.rows = np.frombuffer(memoryview(self.array).cast("B"), np.uint8).reshape(-1, self.record_bytes)
         self.fill_seconds = self._fill(progress)
         if cuda:
-            rt = cudart.runtime()
+            rt = device.cuda_runtime()
             t0 = time.perf_counter()
-            self.registration = cudart.Registration(self.rows, rt)
+            self.registration = device.Registration(self.rows, rt)
             self.device_ptr = self.registration.device_ptr
             self.register_seconds = time.perf_counter() - t0
             self.base = device_indices([self.device_ptr], np.uint64)  # the rows' address, for the kernels

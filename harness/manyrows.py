@@ -1,0 +1,191 @@
+"""`bench prefill` and `bench batch`: many rows through a layer at once, each configuration beside
+resident decoding (the model's own mlx-lm model) in the same repeat, interleaved.
+
+- `prefill`: time to first token through mlx-lm's own `generate_step` for prompts of each
+  `--lengths` (capped at the model's context), the decode tok/s after the longest prompt, and
+  what each configuration held at its peak (its model's bytes and the most a prompt added);
+- `batch`: the aggregate generation tok/s of mlx-lm's `batch_generate` at each `--batches` B.
+
+A configuration is S (`--slots`) x install (`--installs`) x, for the device install, whether a
+prompt copies the next layer's area during this one's compute (`--area-ahead`). Every repeat runs
+each configuration once per length (or B) in a rotating order, and each figure is also given as
+its ratio to resident's in the same repeat (median, min, max over the repeats). The greedy tokens
+of every run are compared with resident's and the comparison recorded. Speed is reported, never
+asserted: the machines are noisy."""
+
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import batch_generate, generate_step
+
+from engine import EngineConfig, load
+from engine.models import registry
+from engine.predict import prompts
+from engine.runtime.loop import model_bytes
+
+from .report.tables.common import paired
+
+AHEAD = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
+
+
+def spread(xs) -> dict:
+    return dict(median=statistics.median(xs), min=min(xs), max=max(xs), n=len(xs))
+
+
+def configurations(a, mid) -> dict:
+    """name -> EngineConfig of the engines to run (resident, mlx-lm's own model, beside them)."""
+    out = {}
+    installs = a.installs or ["auto"]
+    for s in a.slots or [8, 16, 32]:
+        for inst in installs:
+            for ahead in AHEAD[a.area_ahead]:
+                name = f"S={s}" + ("" if len(installs) == 1 else f"/{inst}")
+                name += "" if ahead is None else ("/ahead" if ahead else "/union")
+                out[name] = EngineConfig(slots=s, tier=a.tier, install=inst, area_ahead=ahead)
+    return out
+
+
+def long_ids(tok, n: int, prompt_set: str) -> list:
+    """`n` tokens of `prompt_set`'s eval prompts joined, the text repeated where it is shorter."""
+    text = "\n\n".join(p["text"] for p in prompts.load(prompt_set, "eval"))
+    ids = tok.encode(text)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def first_token(model, ids, decode_tokens: int):
+    """One prompt through mlx-lm's `generate_step`: seconds to its first token, the tok/s of the
+    `decode_tokens` after it (None if 0), the greedy tokens, and the most memory it added."""
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    t0 = time.perf_counter()
+    times, tokens = [], []
+    for token, _ in generate_step(mx.array(ids, mx.uint32), model, max_tokens=decode_tokens + 1):
+        times.append(time.perf_counter())
+        tokens.append(int(token))
+    tok_s = (len(times) - 1) / (times[-1] - times[0]) if decode_tokens else None
+    return times[0] - t0, tok_s, tokens, max(0, mx.get_peak_memory() - start)
+
+
+def _load(mid, configs):
+    ref, tok, _ = registry.load_reference(mid)
+    engines = {k: load(mid, c) for k, c in configs.items()}
+    models = {"resident": ref, **{k: e.model for k, e in engines.items()}}
+    return tok, engines, models
+
+
+def _rotated(names, i):
+    return names[i % len(names) :] + names[: i % len(names)]
+
+
+def prefill(a):
+    mid = a.model or "olmoe-1b-7b-shape"
+    context = registry.context_of(mid)
+    lengths = sorted({min(n, context - a.tokens - 1) for n in a.lengths})
+    tok, engines, models = _load(mid, configurations(a, mid))
+    names = list(models)
+    try:
+        ids = {n: long_ids(tok, n, a.set) for n in lengths}
+        for m in models.values():  # warm-up: first-call compilation, at every shape's first use
+            for n in lengths:
+                first_token(m, ids[n][: max(8, n // 8)], 2)
+        ttft = {k: {n: [] for n in lengths} for k in names}
+        decode, grew, tokens = {k: [] for k in names}, dict.fromkeys(names, 0), {k: {} for k in names}
+        for r in range(a.repeats):
+            for n in lengths:
+                for k in _rotated(names, r):
+                    more = a.tokens if n == lengths[-1] else 0
+                    s, tok_s, toks, peak = first_token(models[k], ids[n], more)
+                    ttft[k][n].append(s)
+                    grew[k] = max(grew[k], peak)
+                    tokens[k].setdefault(n, toks)
+                    if tok_s is not None:
+                        decode[k].append(tok_s)
+        installs = {k: e.install.name for k, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.close()
+    res = ttft["resident"]
+    out = dict(
+        bench="prefill",
+        model=mid,
+        lengths=lengths,
+        repeats=a.repeats,
+        decode_tokens=a.tokens,
+        install=installs,
+        ttft_s={k: {str(n): spread(v) for n, v in per.items()} for k, per in ttft.items()},
+        # a configuration's speed over resident's in the same repeat: resident's seconds over its own
+        x_resident={k: {str(n): paired(res[n], v) for n, v in per.items()} for k, per in ttft.items()},
+        decode_tok_s={k: spread(v) for k, v in decode.items()},
+        decode_x_resident={k: paired(v, decode["resident"]) for k, v in decode.items()},
+        memory_bytes={k: model_bytes(m) + grew[k] for k, m in models.items()},
+        tokens_match={k: tokens[k] == tokens["resident"] for k in names},
+    )
+    out["memory_x_resident"] = {k: v / out["memory_bytes"]["resident"] for k, v in out["memory_bytes"].items()}
+    show_prefill(out)
+    return out
+
+
+def show_prefill(out):
+    print(
+        f"{out['model']}: time to first token over {out['repeats']} interleaved repeats, through mlx-lm's generate_step"
+    )
+    print("  (x resident: resident's time over this one's, paired in each repeat: median [min, max])")
+    for k, per in out["ttft_s"].items():
+        parts = []
+        for n, sp in per.items():
+            x = out["x_resident"][k][n]
+            parts.append(f"{n}: {1e3 * sp['median']:.0f} ms x{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}]")
+        dec, dx = out["decode_tok_s"][k], out["decode_x_resident"][k]
+        print(f"  {k:14s} " + "; ".join(parts))
+        print(
+            f"  {'':14s} decode after {out['lengths'][-1]}: {dec['median']:.1f} tok/s x{dx['median']:.2f} "
+            f"[{dx['min']:.2f}, {dx['max']:.2f}]; memory {out['memory_bytes'][k] / 1e9:.2f} GB "
+            f"(x{out['memory_x_resident'][k]:.2f}); tokens {'= resident' if out['tokens_match'][k] else 'DIFFER'}"
+        )
+
+
+def batch(a):
+    mid = a.model or "olmoe-1b-7b-shape"
+    tok, engines, models = _load(mid, configurations(a, mid))
+    names = list(models)
+    texts = [p["text"] for p in prompts.load(a.set, "eval")]
+    batches = sorted(set(a.batches))
+    sets = {b: [tok.encode(texts[i % len(texts)])[: a.prompt_tokens or 64] for i in range(b)] for b in batches}
+    try:
+        for m in models.values():  # warm-up
+            batch_generate(m, tok, sets[batches[-1]], max_tokens=2)
+        tps = {k: {b: [] for b in batches} for k in names}
+        ids = {k: {} for k in names}
+        for r in range(a.repeats):
+            for b in batches:
+                for k in _rotated(names, r):
+                    resp = batch_generate(models[k], tok, sets[b], max_tokens=a.tokens, return_token_ids=True)
+                    tps[k][b].append(resp.stats.generation_tps)
+                    ids[k].setdefault(b, resp.token_ids)
+        installs = {k: e.install.name for k, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.close()
+    res = tps["resident"]
+    out = dict(
+        bench="batch",
+        model=mid,
+        batches=batches,
+        repeats=a.repeats,
+        tokens=a.tokens,
+        prompt_tokens=a.prompt_tokens or 64,
+        install=installs,
+        tok_s={k: {str(b): spread(v) for b, v in per.items()} for k, per in tps.items()},
+        x_resident={k: {str(b): paired(v, res[b]) for b, v in per.items()} for k, per in tps.items()},
+        tokens_match={k: all(ids[k][b] == ids["resident"][b] for b in batches) for k in names},
+    )
+    print(f"{mid}: batch_generate aggregate tok/s, {a.tokens} tokens a sequence, {a.repeats} interleaved repeats")
+    for k, per in out["tok_s"].items():
+        parts = [
+            f"B={b}: {sp['median']:.1f} x{out['x_resident'][k][b]['median']:.2f} "
+            f"[{out['x_resident'][k][b]['min']:.2f}, {out['x_resident'][k][b]['max']:.2f}]"
+            for b, sp in per.items()
+        ]
+        print(f"  {k:14s} " + "; ".join(parts) + ("" if out["tokens_match"][k] else "  tokens DIFFER"))
+    return out
