@@ -162,7 +162,7 @@ def totals(records) -> dict:
     """The decode steps' records (not the prefill's) added up: tokens, seconds, every counter."""
     dec = [r for r in records if r["phase"] == "decode"]
     out = dict(tokens=len(dec), seconds=sum(r["seconds"] for r in dec))
-    for k in COUNTS + SECONDS + ("bytes_read", "chunks") + CALLS:
+    for k in COUNTS + SECONDS + ("bytes_read", "many_rows") + CALLS:
         out[k] = sum(r.get(k, 0) for r in dec)
     for k in PEAKS:  # the prefill's too: a peak is of the whole decode
         vals = [r[k] for r in records if r.get(k) is not None]
