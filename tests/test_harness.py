@@ -821,3 +821,29 @@ def test_a_prefetch_bench_row_says_which_stream_its_prefetches_ran_on(capsys, mo
     rows = bench.prefetch_bench(a)["results"]
     assert set(rows) == {"resident/d0", "none/d0", "oracle/d1", "oracle/d1/serial"}
     assert rows["oracle/d1"]["overlap"] is True
+
+
+def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compare_tokens(capsys):
+    """`bench prefill` and `bench batch` on the CPU: every configuration (the device install with
+    and without the next layer's area copied ahead, named so) against resident in the same repeat,
+    its greedy tokens compared with resident's (an exact engine gives resident's), its table rows
+    named with the install path."""
+    import argparse
+
+    from harness import manyrows
+    from harness.report.tables.bench import many_rows_figures
+
+    a = argparse.Namespace(model="olmoe-tiny-f32", slots=[16], installs=["device"], area_ahead="both",
+                           tier="page_cache", tokens=3, repeats=2, lengths=[24, 80], set="code",
+                           batches=[1, 4], prompt_tokens=12)  # fmt: skip
+    pre = manyrows.prefill(a)
+    assert set(pre["ttft_s"]) == {"resident", "S=16/ahead", "S=16/union"} and pre["lengths"] == [24, 80]
+    assert all(pre["tokens_match"].values()) and pre["install"]["S=16/ahead"] == "device"
+    assert pre["x_resident"]["resident"]["80"] == dict(median=1.0, min=1.0, max=1.0)
+    assert pre["ttft_s"]["S=16/union"]["24"]["n"] == 2 and pre["decode_tok_s"]["S=16/ahead"]["n"] == 2
+    figs = many_rows_figures(pre)
+    assert "x resident_min[S=16/device/ahead@80]" in figs and figs["tokens_match[S=16/device/union]"] == 1.0
+    bat = manyrows.batch(a)
+    assert set(bat["tok_s"]["S=16/ahead"]) == {"1", "4"} and all(bat["tokens_match"].values())
+    assert "tok_s_max[S=16/device/union@B4]" in many_rows_figures(bat)
+    assert "tokens DIFFER" not in capsys.readouterr().out

@@ -142,3 +142,20 @@ def test_a_listing_piped_into_a_reader_that_stops_early_ends_quietly():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
+
+
+def test_the_many_rows_area_counts_in_the_plan_of_the_install_that_runs():
+    """--memory plans with the install that will run: the device install keeps two many-rows areas
+    (a layer's and the next one's, copied ahead), a host install one; a budget that cannot hold them
+    beside the fixed part and top-k slots is refused naming the area."""
+    from engine.runtime.installs import DeviceInstall
+
+    model, _, _ = load_reference(MODEL)
+    host, dev = (
+        plan(model, parse_size("8MB"), 8, InplaceInstall, 64),
+        plan(model, parse_size("8MB"), 8, DeviceInstall, 64),
+    )
+    assert dev.area == 2 * host.area == 2 * host.experts * host.expert_bytes
+    assert dev.slots < host.slots and "many-rows area" in dev.describe() and dev.install == "device"
+    with pytest.raises(ValueError, match=r"the many-rows area .* for the device install"):
+        plan(model, parse_size("5MB"), 8, DeviceInstall, 64)

@@ -144,6 +144,105 @@ def device_install(bench: pd.DataFrame) -> str:
     return text + " (`scripts/device_gpu.sh OUT syncfree`, records under `results/raw/bench/`)."
 
 
+# issue 48's targets on the full-size model (x resident, each in the same repeat): time to first
+# token by (S, prompt tokens), the decode after the longest prompt, batch_generate by (S, B), and
+# memory (at most this share of resident's)
+PREFILL_TARGETS = {(16, 2048): 0.85, (8, 2048): 0.8, (16, 512): 0.7, (16, 128): 0.5}
+AFTER_PROMPT_TARGET, MEMORY_TARGET = 0.7, 0.45
+BATCH_TARGETS = {(16, 16): 0.3, (16, 4): 0.45}
+
+
+def _verdict(fig: dict, name: str, inner: str, target: float, at_most=False) -> str:
+    """Figure `name[inner]` as `x` [min, max] (its `name_min`, `name_max`) and whether `target` is
+    met, missed by how much, or either within the spread."""
+    x, lo, hi = (fig.get(f"{name}{p}[{inner}]") for p in ("", "_min", "_max"))
+    x = round(x, 2)
+    if lo is None:
+        ok = x <= target if at_most else x >= target
+        return f"{x:.2f}× (target {target} {'met' if ok else f'missed by {abs(x - target):.2f}'})"
+    if at_most:
+        lo, hi = -hi, -lo
+    v, t = (-x, -target) if at_most else (x, target)
+    if lo >= t:
+        met = "met"
+    elif hi < t:
+        met = f"missed by {t - v:.2f}"
+    else:
+        met = ("met" if v >= t else "missed") + " within the spread"
+    lo, hi = (-hi, -lo) if at_most else (lo, hi)
+    return f"{x:.2f}× [{lo:.2f}, {hi:.2f}] (target {target} {met})"
+
+
+def _config(fig: dict, prefix: str, s: int) -> str | None:
+    """The default configuration's name at S = s in a run: the device install's with the next
+    layer copied ahead where the run has both, else the one of that S."""
+    names = sorted({f.split("[", 1)[1].split("@")[0].rstrip("]") for f in fig if f.startswith(prefix)})
+    mine = [n for n in names if n.startswith(f"S={s}/")]
+    for n in mine:
+        if n.endswith("/ahead"):
+            return n
+    return mine[0] if mine else None
+
+
+def many_rows(bench: pd.DataFrame) -> str:
+    """The README's sentence on many rows at once: the latest `bench prefill` and `bench batch` of
+    each machine and model, each configuration against resident in the same repeat, with issue
+    48's targets on a GPU's full-size model."""
+    b = bench[bench["bench"].isin(["prefill", "batch"])]
+    if not len(b):
+        return "No `bench prefill` or `bench batch` is recorded yet (`scripts/device_gpu.sh OUT manyrows`)."
+    out = []
+    for (device, chip, model), g in b.groupby(["device", "chip", "model"], sort=True):
+        targets = device == "gpu" and model == "olmoe-1b-7b-shape"
+        pre = one_run(g[g["bench"] == "prefill"], "x resident[")
+        bat = one_run(g[g["bench"] == "batch"], "x resident[")
+        fig = dict(zip(pre["figure"], pre["value"]))
+        parts = []
+        lengths = sorted({int(f.rsplit("@", 1)[1][:-1]) for f in fig if f.startswith("x resident[")})
+        for s in (8, 16, 32):
+            c = _config(fig, "x resident[", s)
+            if c is None:
+                continue
+            each = []
+            for n in lengths:
+                t = PREFILL_TARGETS.get((s, n)) if targets else None
+                x = _verdict(fig, "x resident", f"{c}@{n}", t) if t else f"{fig[f'x resident[{c}@{n}]']:.2f}×"
+                each.append(f"{n} {x}")
+            parts.append(f"S = {s} ({c.split('/')[1]}): " + ", ".join(each))
+        c16 = _config(fig, "x resident[", 16)
+        if c16 is not None and lengths:
+            n = lengths[-1]
+            union = c16.replace("/ahead", "/union")
+            if c16.endswith("/ahead") and f"x resident[{union}@{n}]" in fig:
+                ours, theirs = fig[f"x resident[{c16}@{n}]"], fig[f"x resident[{union}@{n}]"]
+                parts.append(f"without the next layer's area copied ahead, S = 16 at {n} tokens {theirs:.2f}× "
+                             f"against {ours:.2f}×")  # fmt: skip
+            after = _verdict(fig, "decode x resident", c16, AFTER_PROMPT_TARGET) if targets else (
+                f"{fig[f'decode x resident[{c16}]']:.2f}×")  # fmt: skip
+            mem = fig[f"memory x resident[{c16}]"]
+            held = f"{'met' if mem <= MEMORY_TARGET else 'missed'}"
+            parts.append(f"decode after the {n}-token prompt, S = 16: {after}; S = 16 held {mem:.2f}× of resident's "
+                         "memory" + (f" (target at most {MEMORY_TARGET}: {held})" if targets else ""))  # fmt: skip
+        bfig = dict(zip(bat["figure"], bat["value"]))
+        bc = _config(bfig, "x resident[", 16)
+        if bc is not None:
+            sizes = sorted({int(f.rsplit("@B", 1)[1][:-1]) for f in bfig if f.startswith(f"x resident[{bc}@B")})
+            each = []
+            for B in sizes:
+                t = BATCH_TARGETS.get((16, B)) if targets else None
+                x = _verdict(bfig, "x resident", f"{bc}@B{B}", t) if t else f"{bfig[f'x resident[{bc}@B{B}]']:.2f}×"
+                each.append(f"B = {B} {x}")
+            parts.append("`batch_generate` at S = 16: " + ", ".join(each))
+        matched = [v for f, v in {**fig, **bfig}.items() if f.startswith("tokens_match[")]
+        parts.append("greedy tokens equal resident's in " + ("every run" if all(matched) else
+                     f"{int(sum(matched))} of {len(matched)} configurations"))  # fmt: skip
+        reps = int(fig.get("repeats", bfig.get("repeats", 0)))
+        out.append(f"On {chip} ({device}), `{model}` ({reps} interleaved repeats, each against resident in the "
+                   "same repeat; time to first token by prompt tokens, as resident's time over the "
+                   "configuration's, [min, max]): " + "; ".join(parts) + ".")  # fmt: skip
+    return " ".join(out)
+
+
 ORACLE_TARGET = 0.8  # issue 29: oracle prefetch at S = 16, x resident
 # Where the engine's device install queues a prefetch by default (installs.DeviceInstall.overlap_default;
 # this layer imports no engine, a test holds the two together): on the decode stream.
@@ -374,8 +473,8 @@ def build(tables: dict, root=".", raw=None, by_file=None) -> list:
     if "bench" in tables:
         blocks["device-install"] = device_install(tables["bench"])
         blocks["serve-bench"] = serve_bench(tables["bench"])
+        blocks["many-rows"] = many_rows(tables["bench"])
     if "prefetch_online" in tables:
-        blocks["prediction-pays"] = prediction_pays(tables["prefetch_online"], full=False)
         blocks["prediction-pays-full"] = prediction_pays(tables["prefetch_online"], full=True)
     if raw is not None:
         blocks["run-agreement"] = run_agreement(raw, by_file)

@@ -463,6 +463,56 @@ def memory(figdir):
     _save(fig, figdir, "throughput_vs_memory")
 
 
+def _latest_figures(b: pd.DataFrame, bench: str, name: str) -> pd.DataFrame:
+    """Per machine and model, the latest `bench` run's figures `name[config@x]`, one row each:
+    machine, model, config, x, value, value_min, value_max."""
+    b = b[b["bench"] == bench] if not b.empty else b
+    cols = ["machine", "model", "config", "x", "value", "value_min", "value_max"]
+    if b.empty:
+        return pd.DataFrame(columns=cols)
+    b = b.assign(machine=_machine(b))
+    parts = b["figure"].str.extract(r"^(?P<name>[a-z_ ]+?)(?P<stat>_min|_max)?\[(?P<config>[^@\]]+)@B?(?P<x>\d+)\]$")
+    b = b.assign(**{c: parts[c] for c in parts.columns})
+    b = b[b["name"] == name]
+    last = b.groupby(["machine", "model"])["run_id"].transform("max")
+    b = b[b["run_id"] == last].assign(stat="value" + b["stat"].fillna(""), x=b["x"].astype(float))
+    wide = b.pivot_table(index=["machine", "model", "config", "x"], columns="stat", values="value", aggfunc="first")
+    return wide.reset_index().reindex(columns=cols)
+
+
+def many_rows(figdir):
+    """Many rows through a layer at once: time to first token against prompt length (left) and
+    batch_generate's aggregate tok/s against the batch (right), one line per configuration of the
+    latest run of each machine and model, resident as the reference."""
+    b = _read(figdir, "bench")
+    prefill, batch = _latest_figures(b, "prefill", "ttft_ms"), _latest_figures(b, "batch", "tok_s")
+    keys = sorted(set(prefill.groupby(["machine", "model"]).groups) | set(batch.groupby(["machine", "model"]).groups))
+    if not keys:
+        return _empty(figdir, "many_rows", "bench prefill or batch records")
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.8 * len(keys)), squeeze=False)
+    for (ax, bx), key in zip(axes, keys):
+        for panel, df, xlabel, ylabel in ((ax, prefill, "prompt tokens", "time to first token (ms)"),
+                                          (bx, batch, "sequences at once (B)", "aggregate tok/s")):  # fmt: skip
+            g = df[(df["machine"] == key[0]) & (df["model"] == key[1])]
+            for i, (config, h) in enumerate(g.groupby("config", sort=True)):
+                h = h.sort_values("x")
+                ref = config == "resident"
+                err = [h["value"] - h["value_min"].fillna(h["value"]), h["value_max"].fillna(h["value"]) - h["value"]]
+                panel.errorbar(h["x"], h["value"], yerr=err, marker="*" if ref else "o", capsize=3,
+                               color="k" if ref else f"C{i}", linewidth=2 if ref else 1, label=config)  # fmt: skip
+            panel.set_xscale("log", base=2)
+            panel.set_xlabel(xlabel)
+            panel.set_ylabel(ylabel)
+            if not g.empty:
+                panel.legend(fontsize=6)
+        ax.set_yscale("log")
+        ax.set_title(f"{key[1]}, {key[0]}: time to first token", fontsize=8)
+        bx.set_title(f"{key[1]}, {key[0]}: batch_generate", fontsize=8)
+    fig.suptitle("Many rows at once (medians; whiskers: min..max over interleaved repeats)", fontsize=9)
+    fig.tight_layout()
+    _save(fig, figdir, "many_rows")
+
+
 # The parts of a token's time the records measure; `other` is the rest of the median token time.
 SPLIT_PARTS = (
     ("sync_ms_per_token", "sync", "C4"),
@@ -588,6 +638,7 @@ def drawings(figdir, trained) -> dict:
         "miss_breakdown": partial(miss_breakdown, figdir),
         "routing": partial(routing, figdir),
         "train_loss": partial(train_loss, figdir),
+        "many_rows": partial(many_rows, figdir),
     }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ rule plots:
         report("{figdir}/placement.png", caption="../report/placement.rst", category="Gate F"),
         report("{figdir}/throughput_vs_memory.png", caption="../report/throughput_vs_memory.rst", category="Gate C"),
         report("{figdir}/prediction_pays.png", caption="../report/prediction_pays.rst", category="Gate C"),
+        report("{figdir}/many_rows.png", caption="../report/many_rows.rst", category="Benches"),
         expand("{{figdir}}/{f}.pdf", f=FIGURES),
     log:
         "results/logs/plots/{figdir}.log",

@@ -36,6 +36,50 @@ def paired_figures(key: str, ratios: dict) -> dict:
     return {f"{name}[{key}]": ratios[stat] for stat, name in names.items()}
 
 
+def many_rows_key(res: dict):
+    """A `bench prefill` or `bench batch` configuration's name with its install path, as
+    throughput_key names them: `S=16/device/ahead` (`resident`: mlx-lm's own model)."""
+    installs = res.get("install") or {}
+
+    def key(k):
+        if k == "resident" or k not in installs or f"/{installs[k]}" in k:
+            return k
+        s, _, rest = k.partition("/")
+        return f"{s}/{installs[k]}" + (f"/{rest}" if rest else "")
+
+    return key
+
+
+def _spread_figures(figs: dict, name: str, key: str, sp: dict):
+    figs[f"{name}[{key}]"] = sp["median"]
+    figs[f"{name}_min[{key}]"], figs[f"{name}_max[{key}]"] = sp["min"], sp["max"]
+
+
+def many_rows_figures(res: dict) -> dict:
+    """A prefill or batch record's figures: each configuration's time to first token (ms) per
+    prompt length, or aggregate tok/s per batch size, with its ratio to resident's in the same
+    repeat (median, min, max), whether its tokens were resident's, and (prefill) the decode after
+    the longest prompt and the memory it held."""
+    k_, figs = many_rows_key(res), {}
+    if res["bench"] == "prefill":
+        for k, per in res["ttft_s"].items():
+            for n, sp in per.items():
+                _spread_figures(figs, "ttft_ms", f"{k_(k)}@{n}", {x: 1e3 * v for x, v in sp.items() if x != "n"})
+                _spread_figures(figs, "x resident", f"{k_(k)}@{n}", res["x_resident"][k][n])
+            _spread_figures(figs, "decode x resident", k_(k), res["decode_x_resident"][k])
+            figs[f"decode_tok_s[{k_(k)}]"] = res["decode_tok_s"][k]["median"]
+            figs[f"memory_bytes[{k_(k)}]"] = res["memory_bytes"][k]
+            figs[f"memory x resident[{k_(k)}]"] = res["memory_x_resident"][k]
+    else:
+        for k, per in res["tok_s"].items():
+            for b, sp in per.items():
+                _spread_figures(figs, "tok_s", f"{k_(k)}@B{b}", sp)
+                _spread_figures(figs, "x resident", f"{k_(k)}@B{b}", res["x_resident"][k][b])
+    figs.update({f"tokens_match[{k_(k)}]": float(v) for k, v in res["tokens_match"].items()})
+    figs["repeats"] = res["repeats"]
+    return figs
+
+
 def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
@@ -98,6 +142,8 @@ def bench_table(recs):
                     if "queue" in v["call_split_ms"]:  # a pipelined decode's handing over
                         figs[f"queue_ms[{k}]"] = v["call_split_ms"]["queue"]
                     figs[f"pipelined[{k}]"] = float(res.get("loop") == "pipelined")
+        elif base["bench"] in ("prefill", "batch"):
+            figs = many_rows_figures(res)
         elif base["bench"] == "serve":
             base["slots"] = res["slots"]
             for k, v in res["servers"].items():
