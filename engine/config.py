@@ -64,7 +64,7 @@ class EngineConfig:
     # measured faster for the install (installs.Install.overlap_default)
     overlap: bool | None = None
     # The device install: a many-rows call whose rows name at least E choices copies the next
-    # layer's area during its compute (device.DeviceCache). None: the install's default (on)
+    # layer's whole area during its compute (device.DeviceCache). None: the default (off)
     area_ahead: bool | None = None
     memory: int | None = None  # a memory budget in bytes instead of `slots` (engine.memory picks S)
     context: int = 4096  # tokens of KV cache the memory budget keeps room for

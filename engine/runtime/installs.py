@@ -352,7 +352,7 @@ class DeviceInstall(Install):
         device_pf = None
         if prefetcher is not None and prefetcher.depth > 0:
             device_pf = DevicePrefetch(prefetcher.predictor, prefetcher.depth, store.num_layers, store.num_experts(0))
-        ahead = True if config.area_ahead is None else config.area_ahead
+        ahead = bool(config.area_ahead)  # None: off, as measured faster (docs/engine.md)
         return DeviceCache(store, slots, self, prefetcher=device_pf, overlap=self.overlap(config), area_ahead=ahead)
 
 

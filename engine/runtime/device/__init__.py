@@ -17,9 +17,9 @@ the device reached 0.92 of it). Here the host never looks:
   call, in the same shapes, on the same bytes as mlx-lm's, so the logits are mlx-lm's bit for bit;
 - rows that route to more experts than slots (a prompt, a batch) are computed over a *many-rows
   area* instead: every expert the rows name, at its own index, copied once per layer (a resident
-  one from its slot), and mlx-lm's call with the router's own indices; the next layer's whole area
-  is copied on a stream of its own while this one computes, when the rows are that many; the last
-  row's experts then take their slots from the area, so that a decode after a prompt starts warm.
+  one from its slot), and mlx-lm's call with the router's own indices (with `area_ahead`, the
+  next layer's whole area is copied on a stream of its own while this one computes); the latest
+  rows' experts then take their slots from the area, so that a decode after a prompt starts warm.
 
 All of it is lazy MLX work in the token's graph, queued like mlx-lm's own `generate_step` queues
 a resident model's; counters stay on the device until asked for (`stats.py`).

@@ -27,10 +27,11 @@ class DeviceCache(Cache):
     `overlap`: a prefetch's map step and fill run on a stream of their own (`prefetch_stream`), so
     that its reads overlap the decode stream's compute; otherwise they queue on the decode stream.
     `area_ahead`: a many-rows call whose rows name at least E choices (a prompt; a large batch)
-    copies the next layer's whole area on the prefetch stream while this layer computes."""
+    copies the next layer's whole area on the prefetch stream while this layer computes (off by
+    default: on the H200 it was no faster for prompts and slower for batches, docs/engine.md)."""
 
     def __init__(self, store, slots, install=None, mode: str | None = None, tier: HostTier | None = None,
-                 prefetcher=None, overlap=True, area_ahead=True):  # fmt: skip
+                 prefetcher=None, overlap=True, area_ahead=False):  # fmt: skip
         if mode is None:
             mode = "kernel" if backend.kind() == "gpu" and not backend.pinned_unavailable() else "ops"
         if mode not in MODES:
@@ -88,6 +89,11 @@ class DeviceCache(Cache):
         # rows, as many rows as fit, take their slots (from the area), as decoding them would have.
         area = self.ahead.pop(layer, None)
         if area is None:
+            if layer >= 2 and self.after[layer - 2] is not None:
+                # Nothing here waits for the device, so the host would queue every layer's area of
+                # a prompt before the device had used the first (on the H200, 13 GB at S = 16 for
+                # a 4031-token prompt against resident's 9.8): at most two are held this way.
+                mx.eval(self.after[layer - 2])
             area = self.area(layer, indices)
         self.stats.many_rows += 1
         return Step(indices, area, routed=indices, note=mx.contiguous(indices.reshape(-1, k)[-max(1, S // k) :]))
