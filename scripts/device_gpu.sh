@@ -137,9 +137,9 @@ for step in "$@"; do
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
     manyrows)  # many rows at once (issue 48), each configuration beside resident in the same repeat; needs build
-          run $py -m harness bench prefill --model $full --slots 8 16 32 --installs device --area-ahead both \
+          run $py -m harness bench prefill --model $full --slots 8 16 --installs device --area-ahead both \
             --repeats 3 --tokens 64 --record
-          run $py -m harness bench batch --model $full --slots 8 16 32 --installs device --area-ahead both \
+          run $py -m harness bench batch --model $full --slots 16 --installs device --area-ahead both \
             --repeats 3 --tokens 64 --record
           run $py -m harness bench prefill --model $full --slots 16 --installs pinned --repeats 2 --tokens 64 --record
           run $py -m harness bench batch --model $full --slots 16 --installs pinned --batches 4 16 --repeats 1 \
