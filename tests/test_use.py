@@ -103,9 +103,9 @@ def test_sizes_parse():
         parse_size("8 parsecs")
 
 
-# From 6MB: beside the many-rows area (1.8 MB), on a CUDA GPU the plan also holds the pinned
-# staging records (3.9 MB at least).
-@pytest.mark.parametrize("budget", ["6MB", "7MB", "8MB"])
+# From 8MB: beside the many-rows area (1.8 MB; on a CUDA GPU the device install's two, 3.5 MB),
+# the weights, the KV cache and the margin (2.4 MB), top-k slots in each layer.
+@pytest.mark.parametrize("budget", ["8MB", "9MB"])
 def test_the_memory_budget_chooses_slots_and_the_peak_stays_under_it(budget):
     r = run("decode", "--model", MODEL, "--memory", budget, "--context", "64", "--tokens", "16", "--json")
     assert r.returncode == 0, r.stderr
