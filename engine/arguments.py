@@ -20,6 +20,19 @@ def positive(value: str) -> int:
     return n
 
 
+def at_most(high: int):
+    """A positive integer of at most `high` (an option whose huge value would run until killed)."""
+
+    def parse(value: str) -> int:
+        n = positive(value)
+        if n > high:
+            raise argparse.ArgumentTypeError(f"must lie within 1..{high}, not {n}")
+        return n
+
+    parse.__name__ = f"at_most_{high}"
+    return parse
+
+
 def non_negative(value: str) -> int:
     n = _int(value)
     if n < 0:

@@ -14,11 +14,9 @@ from .arguments import (
     ERRORS,
     memory_size,
     non_negative,
-    non_negative_float,
     positive,
     probability,
     seconds,
-    seed,
 )
 from .config import EngineConfig, build_lock, resources_dir
 from .device import kind as device_kind
@@ -30,6 +28,7 @@ from .runtime import installs
 from .runtime import store as store_mod
 from .runtime.engine import open_store, store_dir
 from .runtime.loop import MemoryWatch, decode, summarize
+from .sampling import arg_type
 from .tracing import fitting, trace
 
 
@@ -47,8 +46,8 @@ def add_engine_args(p):
     p.add_argument(
         "--context",
         type=positive,
-        default=4096,
-        help="tokens of KV cache a --memory budget keeps room for (default 4096)",
+        default=None,
+        help="tokens of KV cache a --memory budget keeps room for (with --memory; default 4096)",
     )
     p.add_argument(
         "--tier", choices=["page_cache", "cold"], default="page_cache", help="storage tier of the expert store"
@@ -107,13 +106,14 @@ def add_engine_args(p):
 def add_generation_args(p):
     p.add_argument("--prompt", default="The Python language", help="prompt text")
     p.add_argument("--prompt-file", default=None, metavar="FILE", help="read the prompt from FILE (- for stdin)")
-    p.add_argument("--max-tokens", type=positive, default=256, help="tokens to generate at most")
-    p.add_argument("--temp", type=non_negative_float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling threshold (1: off)")
-    p.add_argument("--min-p", type=probability, default=0.0, help="min-p sampling threshold (0: off)")
-    p.add_argument("--top-k", type=non_negative, default=0, help="sample among the k likeliest tokens (0: off)")
-    p.add_argument("--repetition-penalty", type=non_negative_float, default=None, help="e.g. 1.1 (default: off)")
-    p.add_argument("--seed", type=seed, default=None, help="random seed for sampling (0..2**64-1)")
+    p.add_argument("--max-tokens", type=arg_type("max_tokens"), default=256, help="tokens to generate at most")
+    p.add_argument("--temp", type=arg_type("temperature"), default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=arg_type("top_p"), default=1.0, help="nucleus sampling threshold in (0, 1] (1: off)")
+    p.add_argument("--min-p", type=arg_type("min_p"), default=0.0, help="min-p sampling threshold (0: off)")
+    p.add_argument("--top-k", type=arg_type("top_k"), default=0, help="sample among the k likeliest tokens (0: off)")
+    p.add_argument("--repetition-penalty", type=arg_type("repetition_penalty"), default=None,
+                   help="e.g. 1.1, above 0 (default: off)")  # fmt: skip
+    p.add_argument("--seed", type=arg_type("seed"), default=None, help="random seed for sampling (0..2**64-1)")
     chat = p.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",
@@ -140,7 +140,7 @@ def engine_config(a) -> EngineConfig:
         min_prob=a.min_prob,
         fit_set=a.fit_set,
         memory=a.memory,
-        context=a.context,
+        context=a.context or EngineConfig.context,
     )
 
 
@@ -283,6 +283,8 @@ def check_args(a):
     fitted, loaded or served (the parser has checked each value alone): a bad one names the
     option and its range."""
     if hasattr(a, "slots"):  # the commands that load an engine
+        if a.context is not None and a.memory is None:
+            raise api.OptionError("--context: the KV cache a --memory budget keeps room for; give --memory too")
         api.check(a.model, engine_config(a))
     if a.cmd == "fit":
         shape = registry.shape(a.model)
@@ -290,6 +292,8 @@ def check_args(a):
     for option in ("tokens", "max_tokens"):
         if getattr(a, option, None) is not None:
             api.check_context(a.model, 1, getattr(a, option), "--" + option.replace("_", "-"))
+    if a.cmd == "generate":  # the model's own ends: its vocabulary (--top-k)
+        generation.check_sampling(sampling(a), a.max_tokens, registry.limits_of(a.model))
 
 
 def cmd_serve(a, rest):

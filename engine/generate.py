@@ -8,7 +8,10 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from .api import check_context
+from .models import registry
 from .runtime.loop import MemoryWatch
+from .sampling import RANGES
 
 
 @dataclass
@@ -19,6 +22,20 @@ class Sampling:
     top_k: int = 0
     repetition_penalty: float | None = None
     seed: int | None = None
+
+
+FLAGS = dict(temperature="temp", top_p="top_p", min_p="min_p", top_k="top_k",
+             repetition_penalty="repetition_penalty", seed="seed")  # fmt: skip
+
+
+def check_sampling(sampling: Sampling, max_tokens: int, limits: dict):
+    """The options against their ranges and the model's ends (`limits`: its vocabulary and
+    context, engine.sampling), each named by its flag."""
+    for field, attr in FLAGS.items():
+        value = getattr(sampling, attr)
+        if value is not None:
+            RANGES[field].check(value, RANGES[field].flag, limits)
+    RANGES["max_tokens"].check(max_tokens, "--max-tokens", limits)
 
 
 def prompt_text(tokenizer, prompt: str, chat: bool | None = None) -> str:
@@ -39,13 +56,16 @@ def prompt_text(tokenizer, prompt: str, chat: bool | None = None) -> str:
 def stream(eng, prompt: str, max_tokens: int = 256, sampling: Sampling | None = None, chat: bool | None = None):
     """Yield mlx-lm's GenerationResponse objects (text pieces, tokens, speeds) as they come."""
     sampling = sampling or Sampling()
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be at least 1, not {max_tokens}")
+    check_sampling(sampling, max_tokens, registry.limits_of(eng.spec["id"]))
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     text = prompt_text(eng.tokenizer, prompt, chat)
     if not text:
         raise ValueError("the prompt is empty: give some text")
+    # as stream_generate encodes it: a prompt past the context is refused by name, as decode does
+    tok = eng.tokenizer
+    special = tok.bos_token is None or not text.startswith(tok.bos_token)
+    check_context(eng.spec["id"], len(tok.encode(text, add_special_tokens=special)), max_tokens, "--max-tokens")
     sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
     processors = make_logits_processors(repetition_penalty=sampling.repetition_penalty)
     yield from stream_generate(eng.model, eng.tokenizer, text, max_tokens=max_tokens, sampler=sampler,

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 from engine import api, device, load
-from engine.arguments import positive, probability
+from engine.arguments import at_most, positive, probability
 from engine.config import EngineConfig
 from engine.models import registry
 from engine.predict import prompts
@@ -64,7 +64,7 @@ def add_args(p):
         help="throughput: a prompt of this many tokens, the --set eval prompts joined "
         "(default: one sentence); its prefill is measured too",
     )
-    p.add_argument("--repeats", type=positive, default=5, help="interleaved repetitions")
+    p.add_argument("--repeats", type=at_most(1000), default=5, help="interleaved repetitions (1..1000)")
     p.add_argument("--slots", type=positive, nargs="*", default=[], help="throughput: also run the engine at these S")
     p.add_argument("--tier", choices=["page_cache", "cold"], default="page_cache")
     p.add_argument(
@@ -81,7 +81,7 @@ def add_args(p):
         default=[128, 512, 2048, 8192],
         help="prefill: prompt lengths in tokens (each capped at the model's context)",
     )
-    p.add_argument("--batches", type=positive, nargs="+", default=[1, 4, 16], help="batch: sequences at once")
+    p.add_argument("--batches", type=at_most(256), nargs="+", default=[1, 4, 16], help="batch: sequences at once")
     p.add_argument(
         "--area-ahead",
         choices=list(manyrows.AHEAD),
@@ -145,8 +145,8 @@ def add_args(p):
         default=[0.0],
         help="prefetch: confidence floors to run each fitted predictor at (0: its whole top-k set)",
     )
-    p.add_argument("--clients", type=positive, default=8, help="serve: clients at once")
-    p.add_argument("--requests", type=positive, default=2, help="serve: completions each client asks, one by one")
+    p.add_argument("--clients", type=at_most(256), default=8, help="serve: clients at once (1..256)")
+    p.add_argument("--requests", type=at_most(1000), default=2, help="serve: completions each client asks, one by one")
     p.add_argument(
         "--record", action="store_true", help="also write the result as a raw record under results/raw/bench/<which>/"
     )

@@ -16,9 +16,10 @@ import harness.__main__ as harness_main
 from engine import cli
 from harness import bench
 
-MODEL = "olmoe-tiny"  # 64 experts, top-8, 4 layers, a context of 4096 positions
-CONTEXT = 4096
+MODEL = "olmoe-tiny"  # 64 experts, top-8, 4 layers, a context of 4096 positions, 1024 tokens
+CONTEXT, VOCAB = 4096, 1024
 INF = math.inf
+TINY = 5e-324  # the least float above 0: an option whose 0 is excluded
 
 # (command line before the option, option, lowest and highest value allowed, integer-valued)
 OPTIONS = [
@@ -28,11 +29,13 @@ OPTIONS = [
     (["decode", "--model", MODEL, "--predictor", "transition"], "--predict-size", 1, 64, True),
     (["decode", "--model", MODEL], "--min-prob", 0, 1, False),
     (["decode", "--model", MODEL], "--tokens", 0, CONTEXT - 1, True),
-    (["decode", "--model", MODEL], "--context", 1, INF, True),
+    (["decode", "--model", MODEL, "--memory", "1GB"], "--context", 1, INF, True),
     (["generate", "--model", MODEL], "--max-tokens", 1, CONTEXT - 1, True),
     (["generate", "--model", MODEL], "--temp", 0, INF, False),
-    (["generate", "--model", MODEL], "--top-p", 0, 1, False),
-    (["generate", "--model", MODEL], "--top-k", 0, INF, True),
+    (["generate", "--model", MODEL], "--top-p", TINY, 1, False),  # 0 is refused: 1 is off
+    (["generate", "--model", MODEL], "--min-p", 0, 1, False),
+    (["generate", "--model", MODEL], "--top-k", 0, VOCAB, True),
+    (["generate", "--model", MODEL], "--repetition-penalty", TINY, INF, False),
     (["generate", "--model", MODEL], "--seed", 0, 2**64 - 1, True),
     (["serve", "--model", MODEL], "--queue", 1, INF, True),
     (["serve", "--model", MODEL], "--request-timeout", 1e-9, 1e300, False),
@@ -44,7 +47,9 @@ OPTIONS = [
     (["trace", "--model", MODEL], "--limit", 1, INF, True),
     (["bench", "throughput", "--model", MODEL], "--slots", 8, 64, True),
     (["bench", "throughput", "--model", MODEL], "--tokens", 1, CONTEXT - 1, True),
-    (["bench", "throughput", "--model", MODEL], "--repeats", 1, INF, True),
+    (["bench", "throughput", "--model", MODEL], "--repeats", 1, 1000, True),
+    (["bench", "serve", "--model", MODEL], "--clients", 1, 256, True),
+    (["bench", "batch", "--model", MODEL], "--batches", 1, 256, True),
     (["bench", "prefetch", "--model", MODEL], "--depths", 1, 4, True),
 ]
 VALUES = ["0", "-1", "1e20", "99999999999999999999", "abc", "", "nan", "inf", "2.5"]
@@ -60,8 +65,10 @@ def checked(argv, actions=False) -> tuple[int, str]:
         for name in dir(cli) if not actions else ():
             if name.startswith("cmd_"):
                 mp.setattr(cli, name, lambda *a: None)
-        for name in ("throughput", "miss", "install", "prefetch_bench") if not actions else ():
+        for name in ("throughput", "miss", "install", "prefetch_bench", "serve") if not actions else ():
             mp.setattr(bench, name, lambda a: {})
+        for name in ("prefill", "batch") if not actions else ():
+            mp.setattr(bench.manyrows, name, lambda a: {})
         try:
             (harness_main.main if argv[0] == "bench" else cli.main)(argv)
         except SystemExit as e:
@@ -74,7 +81,7 @@ def allowed(value: str, low, high, integer: bool) -> bool:
         x = int(value) if integer else float(value)
     except ValueError:
         return False
-    return low <= x <= high
+    return math.isfinite(x) and low <= x <= high  # no option takes NaN or infinity
 
 
 @pytest.mark.parametrize("head,option,low,high,integer", OPTIONS, ids=[f"{h[0]}{o}" for h, o, *_ in OPTIONS])
@@ -103,7 +110,7 @@ def test_slots_and_depth_are_taken_exactly_within_their_ranges(slots, depth):
 @given(tokens=st.integers(-(10**30), 10**30), prob=st.floats(allow_nan=True, allow_infinity=True))
 def test_tokens_and_probabilities_are_taken_exactly_within_their_ranges(tokens, prob):
     status, err = checked(["generate", "--model", MODEL, "--max-tokens", str(tokens), "--top-p", repr(prob)])
-    ok = 1 <= tokens <= CONTEXT - 1 and 0 <= prob <= 1
+    ok = 1 <= tokens <= CONTEXT - 1 and 0 < prob <= 1
     assert (status == 0) == ok, err
 
 

@@ -427,28 +427,28 @@ def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():
 
 def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_its_ablation():
     """The README's many-rows sentence, from the latest prefill and batch runs of a machine and model:
-    the device install's default (the next layer's area copied ahead) at each S and prompt length
-    against issue 48's targets on a GPU's full-size model, its ablation beside it, the decode after
+    the device install's default (the rows' own area, not the next layer's copied ahead) at each S
+    and prompt length against issue 48's targets on a GPU's full-size model, the option beside it, the decode after
     the longest prompt, the memory, batch_generate, and whether the tokens were resident's."""
     base = ("gpu", "H200", "h")
     m = "olmoe-1b-7b-shape"
-    pre = {"repeats": 3, "tokens_match[resident]": 1.0, "tokens_match[S=16/device/ahead]": 1.0,
-           "tokens_match[S=16/device/union]": 0.0, "decode x resident[S=16/device/ahead]": 0.75,
-           "decode x resident_min[S=16/device/ahead]": 0.72, "decode x resident_max[S=16/device/ahead]": 0.8,
-           "memory x resident[S=16/device/ahead]": 0.41}  # fmt: skip
+    pre = {"repeats": 3, "tokens_match[resident]": 1.0, "tokens_match[S=16/device/union]": 1.0,
+           "tokens_match[S=16/device/ahead]": 0.0, "decode x resident[S=16/device/union]": 0.75,
+           "decode x resident_min[S=16/device/union]": 0.72, "decode x resident_max[S=16/device/union]": 0.8,
+           "memory x resident[S=16/device/union]": 0.41}  # fmt: skip
     for n, x, lo, hi in ((128, 0.45, 0.40, 0.52), (512, 0.8, 0.75, 0.85), (2048, 0.9, 0.86, 0.95)):
-        k = f"S=16/device/ahead@{n}"
+        k = f"S=16/device/union@{n}"
         pre.update({f"x resident[{k}]": x, f"x resident_min[{k}]": lo, f"x resident_max[{k}]": hi})
-        pre[f"x resident[S=16/device/union@{n}]"] = x - 0.2
-    bat = {"repeats": 3, "x resident[S=16/device/ahead@B4]": 0.3, "x resident_min[S=16/device/ahead@B4]": 0.25,
-           "x resident_max[S=16/device/ahead@B4]": 0.35, "x resident[S=16/device/ahead@B16]": 0.33}  # fmt: skip
+        pre[f"x resident[S=16/device/ahead@{n}]"] = x - 0.2
+    bat = {"repeats": 3, "x resident[S=16/device/union@B4]": 0.3, "x resident_min[S=16/device/union@B4]": 0.25,
+           "x resident_max[S=16/device/union@B4]": 0.35, "x resident[S=16/device/union@B16]": 0.33}  # fmt: skip
     rows = [(*base, "prefill", m, None, None, None, 64, f, v) for f, v in pre.items()]
     rows += [(*base, "batch", m, None, None, None, 64, f, v) for f, v in bat.items()]
     text = docblocks.many_rows(bench_rows(rows))
     assert text.startswith("On H200 (gpu), `olmoe-1b-7b-shape` (3 interleaved repeats")
     assert "S = 16 (device): 128 0.45× [0.40, 0.52] (target 0.5 missed within the spread)" in text
     assert "512 0.80× [0.75, 0.85] (target 0.7 met), 2048 0.90× [0.86, 0.95] (target 0.85 met)" in text
-    assert "without the next layer's area copied ahead, S = 16 at 2048 tokens 0.70× against 0.90×" in text
+    assert "copied ahead (`area_ahead`), S = 16 at 2048 tokens 0.70× against the default's 0.90×" in text
     assert "decode after the 2048-token prompt, S = 16: 0.75× [0.72, 0.80] (target 0.7 met)" in text
     assert "held 0.41× of resident's memory (target at most 0.45: met)" in text
     assert "B = 4 0.30× [0.25, 0.35] (target 0.45 missed by 0.15), B = 16 0.33× (target 0.3 met)" in text
@@ -456,3 +456,15 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert "(target" not in docblocks.many_rows(bench_rows(cpu))  # targets are the GPU's full-size model's
     assert "No `bench prefill`" in docblocks.many_rows(bench_rows([]))
+    # the README's reads the GPU's full-size model alone where it has runs; docs/gpu.md every machine's
+    both = bench_rows(rows + cpu)
+    assert "EPYC" in docblocks.many_rows(both) and "EPYC" not in docblocks.many_rows(both, only_targets=True)
+    assert "On EPYC (cpu)" in docblocks.many_rows(bench_rows(cpu), only_targets=True)
+    # the tables: one per bench and machine, a row per configuration, resident left out (it is 1.0)
+    tables = docblocks.many_rows_tables(both)
+    assert "| | 128 tokens | 512 tokens | 2048 tokens | decode after 2048 | memory held |" in tables
+    assert "| S = 16 (device, the rows' area) | 0.45× [0.40, 0.52] | 0.80× [0.75, 0.85] | 0.90× [0.86, 0.95] | " \
+        "0.75× [0.72, 0.80] | 0.41× |" in tables  # fmt: skip
+    assert "| S = 16 (device, next layer ahead) | 0.25× |" in tables
+    assert "| S = 16 (device, the rows' area) | 0.30× [0.25, 0.35] | 0.33× |" in tables
+    assert "resident" not in tables.split("| --- ")[-1]

@@ -324,6 +324,15 @@ def shape(model_id: str) -> dict:
     return shape_of(spec)
 
 
+def limits_of(model_id: str) -> dict:
+    """What a request's sampler fields are checked against (engine.sampling): the model's
+    vocabulary (its config's `vocab_size`, None where it does not say) and context (context_of)."""
+    cfg = json.loads((model_dir(model_id) / "config.json").read_text())
+    vocab = next((c["vocab_size"] for c in (cfg, cfg.get("text_config") or {})
+                  if isinstance(c.get("vocab_size"), int) and c["vocab_size"] > 0), None)  # fmt: skip
+    return dict(vocab=vocab, context=context_of(model_id))
+
+
 def context_of(model_id: str) -> int:
     """The positions the model was made for: its config's `max_position_embeddings` (a multimodal
     one's text config's); 4096 where the config does not say. Builds an embedded model if needed."""

@@ -174,26 +174,31 @@ def _verdict(fig: dict, name: str, inner: str, target: float, at_most=False) -> 
 
 
 def _config(fig: dict, prefix: str, s: int) -> str | None:
-    """The default configuration's name at S = s in a run: the device install's with the next
-    layer copied ahead where the run has both, else the one of that S."""
+    """The default configuration's name at S = s in a run: the one without the next layer's area
+    copied ahead (the engine's default since it measured no faster, EngineConfig.area_ahead)."""
     names = sorted({f.split("[", 1)[1].split("@")[0].rstrip("]") for f in fig if f.startswith(prefix)})
-    mine = [n for n in names if n.startswith(f"S={s}/")]
-    for n in mine:
-        if n.endswith("/ahead"):
-            return n
+    mine = [n for n in names if n.startswith(f"S={s}/") and not n.endswith("/ahead")]
     return mine[0] if mine else None
 
 
-def many_rows(bench: pd.DataFrame) -> str:
-    """The README's sentence on many rows at once: the latest `bench prefill` and `bench batch` of
-    each machine and model, each configuration against resident in the same repeat, with issue
-    48's targets on a GPU's full-size model."""
+def _has_targets(device: str, model: str) -> bool:
+    return device == "gpu" and model == "olmoe-1b-7b-shape"
+
+
+def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
+    """The sentence on many rows at once: the latest `bench prefill` and `bench batch` of each
+    machine and model, each configuration against resident in the same repeat, with issue 48's
+    targets on a GPU's full-size model. `only_targets` (the README's): that model alone where it
+    has runs; docs/gpu.md has every machine's."""
     b = bench[bench["bench"].isin(["prefill", "batch"])]
     if not len(b):
         return "No `bench prefill` or `bench batch` is recorded yet (`scripts/device_gpu.sh OUT manyrows`)."
+    groups = list(b.groupby(["device", "chip", "model"], sort=True))
+    if only_targets and any(_has_targets(d, m) for (d, _, m), _ in groups):
+        groups = [((d, c, m), g) for (d, c, m), g in groups if _has_targets(d, m)]
     out = []
-    for (device, chip, model), g in b.groupby(["device", "chip", "model"], sort=True):
-        targets = device == "gpu" and model == "olmoe-1b-7b-shape"
+    for (device, chip, model), g in groups:
+        targets = _has_targets(device, model)
         pre = one_run(g[g["bench"] == "prefill"], "x resident[")
         bat = one_run(g[g["bench"] == "batch"], "x resident[")
         fig = dict(zip(pre["figure"], pre["value"]))
@@ -212,11 +217,11 @@ def many_rows(bench: pd.DataFrame) -> str:
         c16 = _config(fig, "x resident[", 16)
         if c16 is not None and lengths:
             n = lengths[-1]
-            union = c16.replace("/ahead", "/union")
-            if c16.endswith("/ahead") and f"x resident[{union}@{n}]" in fig:
-                ours, theirs = fig[f"x resident[{c16}@{n}]"], fig[f"x resident[{union}@{n}]"]
-                parts.append(f"without the next layer's area copied ahead, S = 16 at {n} tokens {theirs:.2f}× "
-                             f"against {ours:.2f}×")  # fmt: skip
+            ahead = c16.replace("/union", "/ahead")
+            if ahead != c16 and f"x resident[{ahead}@{n}]" in fig:
+                ours, theirs = fig[f"x resident[{c16}@{n}]"], fig[f"x resident[{ahead}@{n}]"]
+                parts.append(f"with the next layer's whole area copied ahead (`area_ahead`), S = 16 at {n} tokens "
+                             f"{theirs:.2f}× against the default's {ours:.2f}×")  # fmt: skip
             after = _verdict(fig, "decode x resident", c16, AFTER_PROMPT_TARGET) if targets else (
                 f"{fig[f'decode x resident[{c16}]']:.2f}×")  # fmt: skip
             mem = fig[f"memory x resident[{c16}]"]
@@ -241,6 +246,59 @@ def many_rows(bench: pd.DataFrame) -> str:
                    "same repeat; time to first token by prompt tokens, as resident's time over the "
                    "configuration's, [min, max]): " + "; ".join(parts) + ".")  # fmt: skip
     return " ".join(out)
+
+
+def _area(config: str) -> str:
+    s, install, *area = config.split("/")
+    way = {"union": ", the rows' area", "ahead": ", next layer ahead"}.get(area[0] if area else "", "")
+    return f"{s.replace('=', ' = ')} ({install}{way})"
+
+
+def many_rows_tables(bench: pd.DataFrame) -> str:
+    """Tables of the latest `bench prefill` and `bench batch` of each machine and model: each
+    configuration's time to first token by prompt length, its decode after the longest prompt and
+    the memory it held (prefill), its aggregate tok/s by batch size (batch), all as resident's
+    time over the configuration's in the same repeat, median [min, max]."""
+    b = bench[bench["bench"].isin(["prefill", "batch"])]
+    out = []
+    for (device, chip, model), g in b.groupby(["device", "chip", "model"], sort=True):
+        for kind in ("prefill", "batch"):
+            run = one_run(g[g["bench"] == kind], "x resident[")
+            if not len(run):
+                continue
+            fig = dict(zip(run["figure"], run["value"]))
+
+            def cell(name, inner, fig=fig):
+                x, lo, hi = (fig.get(f"{name}{p}[{inner}]") for p in ("", "_min", "_max"))
+                if x is None:
+                    return ""
+                return f"{x:.2f}×" + ("" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]")
+
+            pairs = [f.split("[", 1)[1][:-1].split("@") for f in fig if f.startswith("x resident[") and "@" in f]
+            configs = sorted({c for c, _ in pairs if c.startswith("S=")}, key=lambda c: (int(c.split("/")[0][2:]), c))
+            ats = sorted({a for _, a in pairs}, key=lambda a: int(a.lstrip("B")))
+            if kind == "prefill":
+                head = [f"{a} tokens" for a in ats] + [f"decode after {ats[-1]}", "memory held"]
+                rows = [[cell("x resident", f"{c}@{a}") for a in ats]
+                        + [cell("decode x resident", c), cell("memory x resident", c)] for c in configs]  # fmt: skip
+                ref = "resident's time to first token: " + ", ".join(
+                    f"{fig[f'ttft_ms[resident@{a}]']:.0f} ms" for a in ats if f"ttft_ms[resident@{a}]" in fig
+                )
+            else:
+                head = [f"B = {a[1:]}" for a in ats]
+                rows = [[cell("x resident", f"{c}@{a}") for a in ats] for c in configs]
+                ref = "resident's tok/s: " + ", ".join(
+                    f"{fig[f'tok_s[resident@{a}]']:.1f}" for a in ats if f"tok_s[resident@{a}]" in fig
+                )
+            reps = int(fig.get("repeats", 0))
+            at = "".join(f", {w} `{run[c].iloc[0]}`" for w, c in (("run", "run_id"), ("at", "commit")) if c in run)
+            out.append(f"`bench {kind}` on {chip} ({device}), `{model}`{at}, {reps} interleaved repeats ({ref}):")
+            out.append("")
+            out.append("| | " + " | ".join(head) + " |")
+            out.append("| --- " * (len(head) + 1) + "|")
+            out += ["| " + _area(c) + " | " + " | ".join(r) + " |" for c, r in zip(configs, rows)]
+            out.append("")
+    return "\n".join(out).strip() or "No `bench prefill` or `bench batch` is recorded yet."
 
 
 ORACLE_TARGET = 0.8  # issue 29: oracle prefetch at S = 16, x resident
@@ -473,7 +531,9 @@ def build(tables: dict, root=".", raw=None, by_file=None) -> list:
     if "bench" in tables:
         blocks["device-install"] = device_install(tables["bench"])
         blocks["serve-bench"] = serve_bench(tables["bench"])
-        blocks["many-rows"] = many_rows(tables["bench"])
+        blocks["many-rows"] = many_rows(tables["bench"], only_targets=True)
+        blocks["many-rows-all"] = many_rows(tables["bench"])
+        blocks["many-rows-tables"] = many_rows_tables(tables["bench"])
     if "prefetch_online" in tables:
         blocks["prediction-pays-full"] = prediction_pays(tables["prefetch_online"], full=True)
     if raw is not None:
