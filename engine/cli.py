@@ -298,7 +298,8 @@ def check_args(a):
 
 def cmd_serve(a, rest):
     cfg = engine_config(a)
-    limits = serve.ServeLimits(registry.context_of(a.model), a.queue, a.request_timeout)
+    model = registry.limits_of(a.model)
+    limits = serve.ServeLimits(model["context"], a.queue, a.request_timeout, vocab=model["vocab"])
     serve.main(a.model, cfg, limits, rest)
 
 

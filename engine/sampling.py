@@ -41,7 +41,8 @@ class Range:
         lo, hi = self.bounds(limits or {})
         kind = "an integer" if self.integer else "a finite number"
         left = "" if lo is None else (f"> {lo:g}" if self.low_open else f">= {lo:g}")
-        right = "" if hi is None else f"<= {hi:g}"
+        model = f" (the model's {self.high})" if isinstance(self.high, str) else ""
+        right = "" if hi is None else f"<= {hi:g}{model}"
         span = " and ".join(p for p in (left, right) if p)
         return f"{kind}{' ' + span if span else ''}" + (f" ({self.note})" if self.note else "")
 

@@ -9,9 +9,18 @@ What it adds to mlx-lm's server, so that no client can stick it or make it build
   model that cannot load is an error at start, not a dead generation thread later;
 - a request names the served model or none (`"model"`: its id or `default_model`); any other is
   404, and nothing is loaded or built on demand; `GET /v1/models` lists the served model;
-- `max_tokens` above the model's context is 400, and generation stops at the context;
-- a request stops generating when its client goes away (streamed or not) or after
-  `--request-timeout` seconds (its answer then ends with `finish_reason: "length"`);
+- every field is checked before anything reaches MLX: the sampler's against their ranges
+  (engine.sampling, the command line's too; `logit_bias` token ids within the vocabulary: one
+  outside it double-frees in mlx-lm's sampler and ends the process), the others' types; a body
+  that is not UTF-8, not JSON, nested past the parser or past MAX_BODY, or a bad
+  `Content-Length`, is 400 (413); whatever a request raises is answered (500), never a closed
+  socket;
+- `max_tokens` above the model's context is 400, a prompt past it is 400, and generation stops at
+  the context;
+- a request's time limit (`--request-timeout` seconds) runs from when its generation starts and
+  covers its prefill as well as its decode: the prefill is checked between its chunks
+  (`--prefill-step-size` tokens), as is whether its client went away; a limit reached in the
+  prefill is 503, in the decode the answer ends with `finish_reason: "length"`;
 - at most `--queue` requests are admitted at once (one generating, the others waiting their
   turn); past that a request gets 503 with `Retry-After`;
 - a chat needs a non-empty list of messages whose contents are text: anything else is 400.
@@ -22,22 +31,29 @@ batched decode would route a batch's rows through one slot table at once), each 
 generation thread, where the engine is also loaded.
 """
 
+import io
 import json
 import logging
 import select
+import signal
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass, replace
 from http.server import ThreadingHTTPServer
+from queue import Queue
 
+import mlx.core as mx
 import mlx_lm.server as mlx_server
 from mlx_lm.processors import load_processor
 
+from . import sampling
 from .api import load
 from .config import EngineConfig
 from .models import registry
+
+MAX_BODY = 16 << 20  # bytes a request's body may have: a chat of 16 MiB is far past any context here
 
 
 @dataclass
@@ -46,6 +62,11 @@ class ServeLimits:
     queue: int = 8  # requests admitted at once (one generating, the rest waiting)
     request_timeout: float = 300.0  # seconds a request may generate
     retry_after: int = 5  # seconds a 503 asks the client to wait
+    vocab: int | None = None  # the model's vocabulary: a logit_bias token id must lie below it
+
+    def sampling(self) -> dict:
+        """What engine.sampling checks a request's fields against."""
+        return {"vocab": self.vocab, "context": self.context}
 
 
 class EngineModelProvider(mlx_server.ModelProvider):
@@ -91,6 +112,114 @@ class ClientGone(Exception):
     """The client closed its connection while its answer was being generated."""
 
 
+class Refused(BaseException):  # noqa: N818 - an answer, not an error of the server's
+    """An HTTP answer for the client (`code`, `message`), raised through mlx-lm's handler, whose
+    `except Exception` would answer 404 or close the socket: EngineAPIHandler.do_POST answers it."""
+
+    def __init__(self, code: int, message: str, headers=()):
+        super().__init__(message)
+        self.code, self.message, self.headers = code, message, headers
+
+
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room in the model's context for a token."""
+
+
+class PrefillStopped(Exception):
+    """Raised in the generation thread between two chunks of a prompt's prefill: its client went
+    away or its time limit passed."""
+
+
+class Watch:
+    """One request as the generation thread sees it between prefill chunks: its connection, its
+    time limit (from when its generation starts) and the prefill's progress."""
+
+    def __init__(self, conn, timeout: float):
+        self.conn, self.timeout = conn, timeout
+        self.deadline, self.progress = None, (0, 0)
+
+    def start(self):
+        self.deadline = time.monotonic() + self.timeout
+
+    def why_stop(self) -> str | None:
+        if client_gone(self.conn):
+            return "client went away"
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return "time limit"
+        return None
+
+
+class WatchedQueue(Queue):
+    """A request's response queue (mlx-lm's generation thread puts its context, the prefill's
+    progress after every chunk, then the tokens): putting the context starts the time limit, and
+    putting progress raises PrefillStopped when the request should stop, which ends the prefill
+    where it is (mlx-lm's generation thread hands the exception back as the request's answer)."""
+
+    def __init__(self, watch: Watch):
+        super().__init__()
+        self.watch = watch
+
+    def put(self, item, block=True, timeout=None):
+        if isinstance(item, mlx_server.GenerationContext):
+            self.watch.start()
+        elif isinstance(item, tuple):
+            self.watch.progress = item
+            why = self.watch.why_stop()
+            if why is not None:
+                raise PrefillStopped(why)
+        super().put(item, block, timeout)
+
+
+class EngineResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's response generator, with a prompt past the model's context refused when it is
+    tokenized, and each request's queue watched (WatchedQueue)."""
+
+    def __init__(self, provider, prompt_cache, context: int):
+        self.context = context
+        super().__init__(provider, prompt_cache)
+
+    def _run_generate(self):
+        try:
+            super()._run_generate()
+        finally:
+            # MLX's streams end with the thread that made them, or the process aborts at exit
+            # (`terminate called`, ml-explore/mlx#3126: MLX used in a thread)
+            mx.clear_streams()
+
+    def _tokenize(self, tokenizer, request, args):
+        out = super()._tokenize(tokenizer, request, args)
+        n = len(out[0])
+        if n + 1 > self.context:
+            raise PromptTooLong(f"the prompt is {n} tokens, past the model's context of {self.context} tokens "
+                                f"(a prompt may have at most {self.context - 1})")  # fmt: skip
+        return out
+
+    def generate(self, request, generation_args, progress_callback=None, watch: Watch | None = None):
+        # mlx-lm's own generate (0.32.2), but for the queue: its Queue() is made inside it.
+        response_queue = WatchedQueue(watch) if watch is not None else Queue()
+        if not self.generation_available():
+            raise RuntimeError("generation thread died")
+        self.requests.put((response_queue, request, generation_args))
+
+        def _inner():
+            while True:
+                response = self._await_response(response_queue)
+                if response is None:
+                    break
+                if isinstance(response, Exception):
+                    raise response
+                if isinstance(response, tuple):
+                    if progress_callback is not None:
+                        progress_callback(*response)
+                    continue
+                yield response
+
+        ctx = self._await_response(response_queue)
+        if isinstance(ctx, Exception):
+            raise ctx
+        return ctx, _inner()
+
+
 def client_gone(conn: socket.socket) -> bool:
     """Whether the peer has closed `conn` (readable with nothing to read), without blocking."""
     try:
@@ -112,13 +241,31 @@ class _Guarded:
         return getattr(self._real, name)
 
     def generate(self, request, args, progress_callback=None):
-        ctx, tokens = self._real.generate(request, args, progress_callback=progress_callback)
-        deadline = time.monotonic() + self._limits.request_timeout
+        watch = Watch(self._conn, self._limits.request_timeout)
+        try:
+            ctx, tokens = self._real.generate(request, args, progress_callback=progress_callback, watch=watch)
+        except PromptTooLong as e:
+            raise Refused(400, str(e)) from None
+        deadline = watch.deadline if watch.deadline is not None else time.monotonic() + self._limits.request_timeout
         room = max(1, self._limits.context - len(ctx.prompt))
+
+        def stopped(e: PrefillStopped):
+            done, total = watch.progress
+            if str(e) == "client went away":
+                return ClientGone(f"client went away after 0 tokens (in the prefill, {done} of {total} prompt tokens)")
+            return Refused(503, f"the request's time limit of {self._limits.request_timeout:g} s (--request-timeout) "
+                                f"passed in its prompt's prefill ({done} of {total} tokens)")  # fmt: skip
 
         def guarded():
             n = 0
-            for r in tokens:
+            it = iter(tokens)
+            while True:
+                try:
+                    r = next(it)
+                except StopIteration:
+                    return
+                except PrefillStopped as e:
+                    raise stopped(e) from None
                 n += 1
                 if client_gone(self._conn):
                     ctx.stop()
@@ -150,12 +297,102 @@ def _message_error(messages) -> str | None:
     return None
 
 
+# request fields outside the sampler's that mlx-lm reads as these JSON types (None: may be absent)
+FIELD_TYPES = {"stream_options": dict, "chat_template_kwargs": dict, "tools": list, "role_mapping": dict}
+PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+
+
 class EngineAPIHandler(mlx_server.APIHandler):
     """mlx-lm's request handler with the checks and limits of the module docstring."""
 
+    # seconds a connection may leave the server waiting for its request or body (http.server sets
+    # it on the socket): a client that sends less than its Content-Length holds a thread no longer
+    timeout = 30
+
     def __init__(self, response_generator, model_id: str, limits: ServeLimits, admission, *args, **kw):
         self.model_id, self.limits, self.admission = model_id, limits, admission
+        self.headers_sent = False
         super().__init__(response_generator, *args, **kw)
+
+    def end_headers(self):
+        self.headers_sent = True
+        super().end_headers()
+
+    def _body(self) -> bytes | None:
+        """The request's body, read here so that what mlx-lm's do_POST would fail on (a negative or
+        huge Content-Length, bytes that are not UTF-8, JSON nested past the parser) is refused by
+        name; None where mlx-lm answers itself (an unknown path, no or a non-numeric length)."""
+        if self.path not in PATHS:
+            return None
+        try:
+            n = int(self.headers.get("Content-Length"))
+        except (TypeError, ValueError):
+            return None
+        if n < 0:
+            raise Refused(400, f"Content-Length {n}: must be 0 or more")
+        if n > MAX_BODY:
+            self.close_connection = True  # its body is left unread
+            raise Refused(413, f"Content-Length {n}: a body may have at most {MAX_BODY} bytes")
+        raw = self.rfile.read(n)
+        if len(raw) < n:
+            self.close_connection = True
+            raise Refused(400, f"the body ended after {len(raw)} of its {n} bytes (Content-Length)")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise Refused(400, f"the body is not UTF-8 (byte {e.start})") from None
+        try:
+            json.loads(text)
+        except RecursionError:
+            raise Refused(400, "the body's JSON nests deeper than the parser allows") from None
+        except ValueError:
+            pass  # mlx-lm's do_POST answers it: 400 "Invalid JSON"
+        return raw
+
+    def do_POST(self):
+        """mlx-lm's do_POST, with every request answered: a Refused as its code, anything else
+        raised as a 500 (or, once a stream's headers are out, an error event that ends it)."""
+        real = self.rfile
+        try:
+            raw = self._body()
+            if raw is not None:
+                self.rfile = io.BytesIO(raw)  # mlx-lm's do_POST reads the body again
+            super().do_POST()
+        except Refused as r:
+            self._answer(r.code, r.message, r.headers)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - answered, and logged without a traceback
+            logging.error(f"request failed: {type(e).__name__}: {e}")
+            self._answer(500, f"the request failed: {type(e).__name__}: {e}")
+        finally:
+            self.rfile = real
+
+    def _answer(self, code: int, message: str, headers=()):
+        try:
+            if self.headers_sent:  # a stream under way: its last event says what went wrong
+                self.wfile.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+                self.wfile.flush()
+                self.close_connection = True
+            else:
+                self._headers_buffer = []  # a 200 begun but not sent (http.server's buffer) is dropped
+                self._error(code, message, headers)
+        except OSError:
+            self.close_connection = True
+
+    def validate_model_parameters(self):
+        # the sampler's fields first, by the name the request gave (mlx-lm's own check, next, would
+        # name max_completion_tokens max_tokens); a ValueError is mlx-lm's 400
+        sampling.check_request(self.body, self.limits.sampling())
+        super().validate_model_parameters()
+        for field, kind in FIELD_TYPES.items():
+            if self.body.get(field) is not None and not isinstance(self.body[field], kind):
+                raise ValueError(f"{field}: must be {'an object' if kind is dict else 'a list'}")
+        usage = (self.body.get("stream_options") or {}).get("include_usage", False)
+        if not isinstance(usage, bool):
+            raise ValueError("stream_options.include_usage: must be true or false")
+        if self.stream_options is not None:
+            self.stream_options = {"include_usage": usage}  # mlx-lm reads the key as present
 
     def _error(self, code: int, message: str, headers=()):
         body = json.dumps({"error": message}).encode()
@@ -220,7 +457,7 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
     """Load the engine in mlx-lm's generation thread, then serve on cli_args' host and port until
     interrupted. `ready(address)` is called once the port is open."""
     provider = EngineModelProvider(cli_args, engine_config)
-    generator = mlx_server.ResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size))
+    generator = EngineResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size), limits.context)
     provider.loaded.wait()
     if provider.load_error is not None:
         generator.stop_and_join()
@@ -234,21 +471,27 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
     infos = socket.getaddrinfo(cli_args.host, cli_args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("Server", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+    httpd = None
     try:
-        httpd = server_class(address, handler)
-    except OSError as e:
-        generator.stop_and_join()
-        raise ValueError(f"--host {cli_args.host} --port {cli_args.port}: {e.strerror}") from None
-    logging.info(f"serving {model_id} at {cli_args.host} on port {httpd.server_address[1]}")
-    if ready is not None:
-        ready(httpd.server_address)
-    try:
+        try:
+            httpd = server_class(address, handler)
+        except OSError as e:
+            raise ValueError(f"--host {cli_args.host} --port {cli_args.port}: {e.strerror}") from None
+        logging.info(f"serving {model_id} at {cli_args.host} on port {httpd.server_address[1]}")
+        if ready is not None:
+            ready(httpd.server_address)
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        httpd.server_close()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C would cut the shutdown short
+        if httpd is not None:
+            httpd.server_close()
         generator.stop_and_join()
+        # the engine's reader threads and streams end here, not in the interpreter's exit (where
+        # MLX's threads, still running, ended the process with `terminate called` and exit 134)
+        provider.engine.close()
 
 
 def main(model_id: str, engine_config: EngineConfig, limits: ServeLimits, server_args: list):

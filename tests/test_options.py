@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import harness.__main__ as harness_main
-from engine import cli
+from engine import cli, sampling
 from harness import bench
 
 MODEL = "olmoe-tiny"  # 64 experts, top-8, 4 layers, a context of 4096 positions, 1024 tokens
@@ -134,3 +134,44 @@ def test_the_files_an_option_names_are_refused_by_name(tmp_path):
     ]:
         status, err = checked(argv, actions=True)
         assert status == 2 and says in err, err
+
+
+# -- a request's sampler fields (engine.sampling: the server's and the command line's ranges) ------
+JSON_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(), st.text(max_size=3),
+    st.lists(st.integers(), max_size=2), st.sampled_from([0, 1, -1, 0.0, 1.0, CONTEXT, VOCAB, VOCAB + 1, 2**64]),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(sorted(sampling.RANGES)), value=JSON_VALUES)
+def test_a_request_field_is_taken_exactly_within_its_range_and_refused_by_name(field, value):
+    """Taken iff it is a number of the field's kind (an integer where it must be one; never a bool,
+    NaN or infinity) within the field's ends, the model's vocabulary and context included."""
+    rng = sampling.RANGES[field]
+    limits = {"vocab": VOCAB, "context": CONTEXT}
+    ends = [limits[e] if isinstance(e, str) else e for e in (rng.low, rng.high)]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    fits = number and (isinstance(value, int) or (not rng.integer and math.isfinite(value)))
+    if fits and ends[0] is not None:
+        fits = value > ends[0] if rng.low_open else value >= ends[0]
+    if fits and ends[1] is not None:
+        fits = value <= ends[1]
+    body = {field: value}
+    if fits:
+        sampling.check_request(body, limits)
+    elif value is not None:  # an absent field (null) is the default, not a value
+        with pytest.raises(sampling.SamplingError, match=f"^{field} "):
+            sampling.check_request(body, limits)
+
+
+@settings(max_examples=200, deadline=None)
+@given(token=st.integers(min_value=-5, max_value=2 * VOCAB), bias=st.one_of(st.floats(), st.booleans(), st.text()))
+def test_a_logit_bias_is_taken_for_token_ids_in_the_vocabulary_and_finite_numbers_only(token, bias):
+    body = {"logit_bias": {str(token): bias}}
+    fine = 0 <= token < VOCAB and isinstance(bias, float) and math.isfinite(bias)
+    if fine:
+        assert sampling.check_request(body, {"vocab": VOCAB}) is None
+    else:
+        with pytest.raises(sampling.SamplingError, match="^logit_bias"):
+            sampling.check_request(body, {"vocab": VOCAB})

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 from conftest import run_cli as run
 
+from engine.models import registry
 from engine.models.registry import load_reference
 from harness import servebench
 
@@ -128,11 +129,33 @@ def test_the_server_lists_its_model_and_serves_no_other(server):
         ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text part"),
         ("chat/completions", {"messages": "hello"}, "non-empty list"),
-        ("completions", {"prompt": "x", "max_tokens": 100000}, "context of"),
+        ("completions", {"prompt": "x", "max_tokens": 100000}, "max_tokens 100000: must be an integer >= 1 and <="),
         ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens True"),
+        ("completions", {"prompt": "x", "max_completion_tokens": -1}, "max_completion_tokens -1"),
         ("completions", {"prompt": "", "max_tokens": 2}, "prompt must be"),
         ("completions", {"max_tokens": 2}, "prompt must be"),
         ("completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+        ("completions", b'{"prompt": "x", "temperature": NaN}', "temperature nan: must be a finite number"),
+        ("completions", b'{"prompt": "x", "top_p": Infinity}', "top_p inf"),
+        ("completions", {"prompt": "x", "top_p": 0}, "top_p 0: must be a finite number > 0"),
+        ("completions", {"prompt": "x", "top_k": 10**20}, "top_k 100000000000000000000"),
+        ("completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty 0"),
+        ("completions", {"prompt": "x", "seed": -1}, "seed -1"),
+        ("completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, "token id 99999999 is outside the vocabulary"),
+        ("completions", {"prompt": "x", "logit_bias": {"-1": 5}}, "token id -1 is outside the vocabulary"),
+        ("completions", {"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias: key 'a' is not a token id"),
+        ("completions", {"prompt": "x", "logit_bias": [1]}, "logit_bias: must be an object"),
+        ("completions", {"prompt": "x", "stop": 5}, "stop: must be a string or a list of strings"),
+        ("completions", {"prompt": "x", "stop": ["a", None]}, "stop: must be a string or a list of strings"),
+        ("completions", {"prompt": "x", "stream": True, "stream_options": 3}, "stream_options: must be an object"),
+        ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": {}}, "tools: must be a list"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1},
+         "chat_template_kwargs: must be an object"),
+        ("completions", {"prompt": "word " * 5000, "max_tokens": 2}, "past the model's context of"),
+        ("completions", b'{"prompt": "x\xff"}', "the body is not UTF-8 (byte 13)"),
+        ("completions", b"[" * 100000, "nests deeper than the parser allows"),
         ("completions", [1, 2], "JSON dictionary"),
     ],
 )  # fmt: skip
@@ -225,3 +248,119 @@ def test_a_bad_serve_option_is_refused_before_the_port_opens(options, says):
     r = run("serve", "--model", MODEL, "--port", "0", *options)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def raw_request(base, head: str, body: bytes = b"", shut=False, timeout=60):
+    """(status, parsed body) of a request written byte for byte (`head`: its headers past the
+    request line); `shut`: the client sends no more after `body` (a body shorter than it said)."""
+    host, port = base.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode() + body)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        answer = sock.makefile("rb")
+        status = int(answer.readline().split()[1])
+        length = 0
+        while (line := answer.readline().strip()) != b"":
+            name, _, value = line.decode().partition(":")
+            length = int(value) if name.lower() == "content-length" else length
+        return status, json.loads(answer.read(length))
+
+
+@pytest.mark.parametrize(
+    "head,body,shut,code,says",
+    [
+        ("Content-Length: -5\r\n", b"", False, 400, "Content-Length -5: must be 0 or more"),
+        (f"Content-Length: {(16 << 20) + 1}\r\n", b"{", False, 413, "a body may have at most 16777216 bytes"),
+        ("Content-Length: 100\r\n", b'{"prompt": "x"}', True, 400, "the body ended after 15 of its 100 bytes"),
+    ],
+)  # fmt: skip
+def test_a_body_that_lies_about_its_length_is_refused_by_name(served, head, body, shut, code, says):
+    status, answer = raw_request(served[0], "Content-Type: application/json\r\n" + head, body, shut)
+    assert status == code and says in answer["error"], (status, answer)
+    assert post(f"{served[0]}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_hostile_requests_among_well_formed_ones_leave_the_server_serving(tmp_path):
+    """The fault test: with a 3 s time limit and prefill chunks of 64 tokens, at once: well-formed
+    greedy questions (plain mlx-lm's answers), every hostile body above, a long prompt within the
+    context (its prefill outlasts the limit on a slow machine: 503 naming the limit; on a fast one it
+    is answered), a client that leaves in its prompt's prefill. Afterwards the server still
+    answers, its log holds no traceback, and Ctrl-C ends it with exit 0, not MLX's abort."""
+    import signal
+
+    log = tmp_path / "server.log"
+    proc, base = start_server(log, "--request-timeout", "3", "--prefill-step-size", "64")
+    url = base + "/v1"
+    context = registry.limits_of(MODEL)["context"]
+    long_prompt = "def f(x):\n    return x\n" * ((context - 64) // 12)  # within the context, slow to prefill
+    prompts = ["def add(a, b):", "import sys\n", "class Node:"]
+    want = {p: greedy(p, 6) for p in prompts}
+    hostile = [
+        {"prompt": "x", "logit_bias": {"99999999": 1}},
+        b'{"prompt": "x", "temperature": NaN}',
+        {"prompt": "x", "max_tokens": True},
+        {"prompt": "x", "stop": 5},
+        {"prompt": "x", "top_k": 10**20},
+        b"[" * 100000,
+        b'{"prompt": "\xff"}',
+        {"prompt": "word " * 5000},
+    ]
+
+    def leave_in_prefill():
+        host, port = base.split("//")[1].split(":")
+        body = json.dumps({"prompt": long_prompt, "max_tokens": 2}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(head.encode() + body)
+            time.sleep(0.5)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            left = pool.submit(leave_in_prefill)
+            bad = [pool.submit(post, f"{url}/completions", b) for b in hostile]
+            good = {p: pool.submit(post, f"{url}/completions", {"prompt": p, "max_tokens": 6, "temperature": 0},
+                                   timeout=300) for p in prompts}  # fmt: skip
+            long = pool.submit(post, f"{url}/completions", {"prompt": long_prompt, "max_tokens": 2}, timeout=300)
+            left.result(timeout=120)
+            for f in bad:
+                status, _, answer = f.result(timeout=300)
+                assert status == 400 and answer["error"], answer
+            for p, f in good.items():
+                status, _, answer = f.result(timeout=300)
+                assert status == 200 and answer["choices"][0]["text"] == want[p], (p, answer)
+            status, _, answer = long.result(timeout=300)
+            assert status == 200 or (status == 503 and "time limit of 3 s (--request-timeout)" in answer["error"])
+        assert post(f"{url}/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        assert "Traceback" not in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 0 and "terminate called" not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_a_prompt_whose_prefill_outlasts_the_time_limit_gets_a_503_naming_it(tmp_path):
+    """The time limit covers the prefill: a one-token prefill chunk makes a long prompt's prefill
+    outlast a 1 s limit on any machine; it stops between chunks, answered 503 with its progress."""
+    proc, base = start_server(tmp_path / "server.log", "--request-timeout", "1", "--prefill-step-size", "1")
+    try:
+        prompt = "def f(x):\n    return x\n" * 100
+        status, _, answer = post(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": 2}, timeout=300)
+        assert status == 503 and "passed in its prompt's prefill (" in answer["error"], answer
+        done, total = answer["error"].rpartition("(")[2].split(" tokens")[0].split(" of ")
+        assert 0 < int(done) < int(total)
+        assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_port_in_use_is_an_error_naming_it_not_an_abort(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run("serve", "--model", MODEL, "--slots", "16", "--host", "127.0.0.1", "--port", str(port))
+    assert r.returncode == 2 and f"--port {port}:" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "terminate called" not in r.stderr

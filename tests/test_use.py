@@ -81,9 +81,11 @@ def test_generate_on_the_command_line_from_stdin_and_a_file(tmp_path):
 @pytest.mark.parametrize(
     "args,named",
     [
-        (["--temp", "-1"], "argument --temp: must be at least 0"),
-        (["--top-p", "2"], "argument --top-p: must lie in [0, 1]"),
-        (["--max-tokens", "0"], "argument --max-tokens: must be at least 1"),
+        (["--temp", "-1"], "argument --temp: must be a finite number >= 0 (0: greedy), not '-1'"),
+        (["--top-p", "2"], "argument --top-p: must be a finite number > 0 and <= 1 (1: off), not '2'"),
+        (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, not '0'"),
+        (["--top-p", "0"], "argument --top-p: must be a finite number > 0"),
+        (["--temp", "nan"], "argument --temp: must be a finite number"),
         (["--prompt", ""], "--prompt: the prompt is empty"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: /nonexistent/prompt.txt: No such file"),
         (["--memory", "lots"], "argument --memory: not a size: 'lots'"),
