@@ -477,6 +477,8 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
             httpd = server_class(address, handler)
         except OSError as e:
             raise ValueError(f"--host {cli_args.host} --port {cli_args.port}: {e.strerror}") from None
+        if threading.current_thread() is threading.main_thread():  # a service manager's stop is Ctrl-C's
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         logging.info(f"serving {model_id} at {cli_args.host} on port {httpd.server_address[1]}")
         if ready is not None:
             ready(httpd.server_address)
@@ -485,7 +487,8 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
         pass
     finally:
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C would cut the shutdown short
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one would cut the shutdown short
+                signal.signal(sig, signal.SIG_IGN)
         if httpd is not None:
             httpd.server_close()
         generator.stop_and_join()

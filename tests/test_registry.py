@@ -246,17 +246,39 @@ def test_a_damaged_model_file_is_named_at_load(built_copy, monkeypatch):
         registry.load("olmoe-tiny", lazy=True)
 
 
-def test_an_unchanged_model_file_is_not_hashed_again(built_copy, monkeypatch):
-    """Checked once per file change (size and modification time): a second load hashes nothing;
-    `store verify` (registry.verify) hashes every file whatever."""
-    registry.load("olmoe-tiny", lazy=True)
+def test_a_model_file_is_hashed_once_per_process(built_copy, monkeypatch):
+    """A process hashes a file the first time it loads it, and again only once the file changes
+    (size, modification time, inode); `store verify` (registry.verify) hashes every file whatever."""
+    monkeypatch.setattr(embedded, "_HASHED", set())  # as a fresh process finds it
     hashed = []
     real = embedded.sha256_file
     monkeypatch.setattr(embedded, "sha256_file", lambda p: hashed.append(p) or real(p))
     registry.load("olmoe-tiny", lazy=True)
-    assert hashed == []
+    first = len(hashed)
+    assert first >= 2  # the weights and the tokenizer's files, by content
+    registry.load("olmoe-tiny", lazy=True)
+    assert len(hashed) == first
     n = registry.verify("olmoe-tiny")
-    assert n >= 3 and len(hashed) >= 2
+    assert n >= 3 and len(hashed) >= 2 * first
+
+
+def test_bit_rot_under_a_kept_modification_time_is_caught_by_the_next_process(built_copy):
+    """A flipped byte whose file keeps its size and modification time (as bit rot keeps them) is
+    named by the next process that loads the model, before it decodes anything."""
+    weights = built_copy / "model.safetensors"
+    registry.load("olmoe-tiny", lazy=True)  # found good once
+    st = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    r = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", "olmoe-tiny", "--slots", "16",
+                        "--prompt", "x", "--max-tokens", "2"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 2 and f"{weights}: damaged: its sha256 is" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 def test_store_verify_names_a_damaged_model_file(built_copy):

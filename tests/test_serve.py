@@ -356,6 +356,18 @@ def test_a_prompt_whose_prefill_outlasts_the_time_limit_gets_a_503_naming_it(tmp
         proc.wait(timeout=30)
 
 
+def test_a_stop_signal_ends_the_server_cleanly(tmp_path):
+    """SIGTERM (a service manager's stop) is Ctrl-C's: exit 0 once the engine's threads are stopped."""
+    import signal
+
+    log = tmp_path / "server.log"
+    proc, base = start_server(log)
+    assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert "terminate called" not in log.read_text() and "Traceback" not in log.read_text()
+
+
 def test_a_port_in_use_is_an_error_naming_it_not_an_abort(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

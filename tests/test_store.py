@@ -78,6 +78,18 @@ def test_truncated_file_is_named(store_copy):
         Store(store_copy)
 
 
+def test_a_file_longer_than_its_index_says_is_damaged(store_copy):
+    """Bytes appended to a layer file (its experts' records all intact) are bytes its index does not
+    account for: the store refuses to open, naming the file, rather than `store verify` passing."""
+    f = store_copy / "layer_001.bin"
+    with open(f, "ab") as fh:
+        fh.write(b"\0" * 100)
+    with pytest.raises(
+        StoreError, match=r"layer_001\.bin: damaged: \d+ bytes, 100 past the \d+ its index gives MoE layer 1"
+    ):
+        Store(store_copy)
+
+
 def test_missing_file_is_named(store_copy):
     (store_copy / "layer_003.bin").unlink()
     with pytest.raises(StoreError, match=r"layer_003\.bin: missing store file of MoE layer 3"):

@@ -292,13 +292,10 @@ def build(spec, out: Path):
 
 
 def record_verified(folder, files: dict):
-    """What a build has just hashed, as found good (verify_files' record)."""
+    """What a build has just hashed, as found good by this process (verify_files' record)."""
     folder = Path(folder)
-    seen = {}
     for name, sha in files.items():
-        st = (folder / name).stat()
-        seen[name] = [st.st_size, st.st_mtime_ns, sha]
-    verified_record(folder).write_text(json.dumps(seen, indent=1, sort_keys=True))
+        _HASHED.add(_identity(folder / name, sha))
 
 
 def git_blob_sha1(path) -> str:
@@ -361,34 +358,32 @@ def _check_digest(spec, out: Path, manifest: Path):
     return out
 
 
-def verified_record(folder) -> Path:
-    """Where verify_files keeps, per file, the size, mtime and digest it last found good: beside
-    the folder, not in it (a build's folder stays byte-identical)."""
-    folder = Path(folder)
-    return folder.parent / f".{folder.name}.verified.json"
+# The files this process has hashed and found good, as (path, size, mtime, inode, digest): a file
+# is hashed by content the first time a process loads it, so that a byte changed under a kept
+# size and modification time (bit rot keeps both) is caught at the next process's load; within a
+# process, a file whose identity is unchanged is not hashed again.
+_HASHED: set[tuple] = set()
 
 
-def verify_files(folder, want: dict, how: str, force: bool = False, cache=None):
+def _identity(path: Path, sha: str) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, sha)
+
+
+def verify_files(folder, want: dict, how: str, force: bool = False):
     """Check every file of `want` ({name: sha256, or a 40-hex git blob id as the Hugging Face cache
-    names small files}) in `folder`: present, and its digest the expected one. Cheap on every
-    load: a file whose size and modification time are those it had when last found good is not
-    hashed again (`force`: hash every file). `cache`: where that record lives (default: beside
-    the files). Raises BuildError naming the damaged file."""
+    names small files}) in `folder`: present, and its digest the expected one. Each file is hashed
+    the first time this process checks it, and again only once its size, modification time or
+    inode changes (`force`: hash every file now). Raises BuildError naming the damaged file."""
     folder = Path(folder)
-    cache = Path(cache) if cache else verified_record(folder)
-    try:
-        seen = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        seen = {}
-    changed = False
     for name, sha in sorted(want.items()):
         path = folder / name
         try:
             st = path.stat()
         except FileNotFoundError:
             raise BuildError(f"{path}: missing (the build wrote it): {how}") from None
-        key = [st.st_size, st.st_mtime_ns, sha]
-        if not force and seen.get(name) == key:
+        key = _identity(path, sha)
+        if not force and key in _HASHED:
             continue
         got = sha256_file(path) if len(sha) == 64 else git_blob_sha1(path)
         if got != sha:
@@ -396,11 +391,4 @@ def verify_files(folder, want: dict, how: str, force: bool = False, cache=None):
             raise BuildError(
                 f"{path}: damaged: its {kind} is {got[:16]}..., expected {sha[:16]}... ({st.st_size} bytes now): {how}"
             )
-        seen[name], changed = key, True
-    if changed:
-        try:
-            tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(seen, indent=1, sort_keys=True))
-            os.replace(tmp, cache)
-        except OSError:
-            pass  # a read-only folder: hashed again next time, still checked
+        _HASHED.add(key)

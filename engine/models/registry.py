@@ -194,15 +194,13 @@ def cache_blobs(snap: Path) -> dict:
 
 
 def verify_real(spec, snap: Path, force: bool = False):
-    """A pinned model's files against their blob names (sha256 or git blob id), once per change."""
+    """A pinned model's files against their blob names (sha256 or git blob id), once per process."""
     want = cache_blobs(snap)
     if not want:
         return
-    cache = resources_dir() / "verified" / f"{spec['id']}-{spec['revision'][:12]}.json"
-    cache.parent.mkdir(parents=True, exist_ok=True)
     how = f"fetch it again (`hf download {spec['repo']} --revision {spec['revision']}`)"
     try:
-        embedded.verify_files(snap, want, how, force=force, cache=cache)
+        embedded.verify_files(snap, want, how, force=force)
     except embedded.BuildError as e:
         raise RegistryError(str(e)) from None
 

@@ -227,6 +227,12 @@ class Store:
                     f"{fpath}: truncated ({size} of {want} bytes): experts {last}..{layer['experts'] - 1} "
                     f"of MoE layer {layer['layer']} are missing"
                 )
+            if size > want:  # every byte past the index's records was written by something else
+                self.close()
+                raise StoreError(
+                    f"{fpath}: damaged: {size} bytes, {size - want} past the {want} its index gives MoE layer "
+                    f"{layer['layer']}; rebuild it with `python -m engine store build {self.model} --force`"
+                )
             self._fds.append(os.open(fpath, os.O_RDONLY))
         self._verified = [np.zeros(layer["experts"], bool) for layer in self.layers]
         # Demand reads and prefetches have their own threads, so that a read the decode thread
