@@ -8,6 +8,8 @@ this repository); else `~/.cache/titan` (an installed wheel).
 import contextlib
 import fcntl
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,30 @@ def build_lock(out: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# Builds of at least this many bytes say what they write as they go (a full-size family takes minutes)
+PROGRESS_BYTES = 1 << 30
+
+
+def disk_short(folder: Path, need: int) -> str | None:
+    """Why `folder`'s file system cannot take `need` more bytes (with 2 % and 64 MiB to spare), or
+    None where it can: a build checks before it writes, rather than failing half way."""
+    folder = Path(folder)
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    want = int(need * 1.02) + (64 << 20)
+    if free >= want:
+        return None
+    return f"{folder}: {free / 1e9:.2f} GB free, the build needs {want / 1e9:.2f} GB"
+
+
+def progress(what: str, done: int, total: int, bytes_done: int, bytes_total: int, seconds: float):
+    """One line on stderr for a long build: `what` (e.g. the model), parts done, bytes, time."""
+    if bytes_total >= PROGRESS_BYTES:
+        print(f"[titan] {what}: {done} of {total} written ({bytes_done / 1e9:.1f} of {bytes_total / 1e9:.1f} GB, "
+              f"{seconds:.0f} s)", file=sys.stderr, flush=True)  # fmt: skip
 
 
 @dataclass

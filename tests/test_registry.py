@@ -14,6 +14,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from engine.models import embedded, registry
 from engine.models.registry import RegistryError
+from engine.runtime import store as store_mod
 
 REAL = "olmoe-1b-7b-4bit"
 HASH = "0123456789abcdef0123456789abcdef01234567"
@@ -175,6 +176,67 @@ def test_embedded_uses_mlx_lm_classes_and_quantization():
         assert isinstance(sw, QuantizedSwitchLinear) and (sw.bits, sw.group_size, sw.mode) == (4, 64, "affine")
         assert str(sw.scales.dtype).endswith(dtype)
         assert tok.decode(tok.encode("def f(x): return x")) == "def f(x): return x"
+
+
+# (layers, hidden, experts, top_k, shared experts, vocabulary) of each real checkpoint's config.json,
+# and the GB its mlx-community form holds: what each family's shape must have
+FAMILIES = {
+    "qwen3-30b-a3b-shape": ("qwen3-30b-a3b-4bit", 48, 2048, 128, 8, 0, 151936, 17.2),
+    "mixtral-8x7b-shape": ("mixtral-8x7b-4bit", 32, 4096, 8, 2, 0, 32000, 26.3),
+    "gpt-oss-20b-shape": ("gpt-oss-20b-mxfp4", 24, 2880, 32, 4, 0, 201088, 11.1),
+    "deepseek-v2-lite-shape": ("deepseek-v2-lite-4bit", 27, 2048, 64, 6, 2, 102400, 8.8),
+}
+
+
+@pytest.mark.parametrize("model_id", sorted(FAMILIES))
+def test_each_family_shape_has_its_real_checkpoints_dimensions(model_id):
+    """Planned, not built (17-26 GB): the spec's model, as mlx-lm's class makes it, has the real
+    checkpoint's dimensions, and a build would write about as many bytes as its 4-bit form holds."""
+    real, layers, hidden, experts, top_k, shared, vocab, gb = FAMILIES[model_id]
+    spec = registry.get_spec(model_id)
+    assert spec["mirrors"] == real and registry.get_spec(real)["kind"] == "real"
+    assert registry.shape(model_id) == {"experts": experts, "top_k": top_k, "layers": layers}
+    cfg = embedded.hf_config(spec)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (layers, hidden, vocab)
+    assert cfg.get("n_shared_experts", 0) == shared
+    assert embedded.planned_bytes(spec) / 1e9 == pytest.approx(gb, abs=0.1)
+
+
+def test_a_shape_that_mirrors_no_real_model_is_refused_by_field(models_file):
+    spec = {k: v for k, v in registry.get_spec("mixtral-8x7b-shape").items() if k not in ("id", "source")}
+    edit(models_file, lambda m: m.update({"my-shape": dict(spec, mirrors="olmoe-tiny")}))
+    with pytest.raises(RegistryError, match=r"field models\.my-shape\.mirrors: 'olmoe-tiny' is not a real model"):
+        registry.load_registry()
+
+
+def test_a_build_too_big_for_its_disk_is_refused_by_name_before_it_writes(tmp_path, monkeypatch):
+    from engine import config
+
+    monkeypatch.setattr(config.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 10**6, 10**6))
+    spec = registry.get_spec("qwen3-30b-a3b-shape")
+    says = rf"{tmp_path}: 0.00 GB free, the build needs 17.59 GB to build 'qwen3-30b-a3b-shape' \(17.18 GB of weights"
+    with pytest.raises(embedded.BuildError, match=says):
+        embedded.build(spec, tmp_path / "m")
+    assert os.listdir(tmp_path) == []  # nothing written, nothing left behind
+    model, _, _, path = registry.load("olmoe-tiny", lazy=True)
+    with pytest.raises(store_mod.StoreError, match=rf"{tmp_path}: 0.00 GB free, .* the expert store of 'olmoe-tiny'"):
+        store_mod.build(model, path, tmp_path / "store", "olmoe-tiny")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_large_build_says_what_it_writes_as_it_goes(tmp_path, monkeypatch, capsys):
+    from engine import config
+
+    monkeypatch.setattr(config, "PROGRESS_BYTES", 0)  # olmoe-tiny as if it were large
+    monkeypatch.setattr(embedded, "SHARD_BYTES", 4 << 20)
+    embedded.build(registry.get_spec("olmoe-tiny"), tmp_path / "m")
+    err = capsys.readouterr().err
+    assert "[titan] olmoe-tiny: 0 of " in err, err  # before the first byte: how much it will write
+    n = len(list((tmp_path / "m").glob("*.safetensors")))
+    assert n > 1 and f"[titan] olmoe-tiny: {n} of {n} written (0.0 of 0.0 GB" in err, err
+    model, _, _, path = registry.load("olmoe-tiny", lazy=True)
+    store_mod.build(model, path, tmp_path / "store", "olmoe-tiny")
+    assert "[titan] the expert store of olmoe-tiny: 4 of 4 written" in capsys.readouterr().err
 
 
 def test_build_from_another_spec_is_refused(tmp_path):

@@ -17,6 +17,7 @@ import os
 import shutil
 import struct
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..config import build_lock
+from ..config import build_lock, disk_short, progress
 from ..predict import corpus
 from .anatomy import model_classes
 
@@ -154,6 +155,13 @@ def _generate(name, shape, quant, seed, dtype):
     return rng.normal(0.0, fan_in**-0.5, size=shape).astype(np.float32)
 
 
+def _stored_bytes(shape, dt, dtype: str) -> int:
+    """A parameter's bytes on disk: packed integers as they are, floats in the model's dtype."""
+    stored = str(dt).rsplit(".", 1)[-1]
+    size = dt.size if stored in ("uint32", "uint8") else (4 if dtype == "float32" else 2)
+    return int(np.prod(shape)) * size
+
+
 def _tensor_bytes(arr, dtype):
     """Raw little-endian bytes of a parameter in the model's dtype."""
 
@@ -244,6 +252,22 @@ def train_tokenizer(vocab_size: int, out: Path, text: str | None = None):
     return tok.get_vocab_size()
 
 
+def _plan(spec):
+    """(config.json, the quantized layers, the files' parameters, each file's bytes) of a build."""
+    config = hf_config(spec)
+    params, quant, qconfig = _shapes(config, spec.get("quantization_mode", "affine"))
+    config["quantization"] = qconfig["quantization"]
+    config["quantization_config"] = qconfig["quantization"]
+    shards = _groups(params)
+    need = [sum(_stored_bytes(shape, dt, spec["dtype"]) for _, shape, dt in shard) for shard in shards]
+    return config, quant, shards, need
+
+
+def planned_bytes(spec) -> int:
+    """The bytes of weights a build of `spec` writes (nothing is built: shapes only)."""
+    return sum(_plan(spec)[3])
+
+
 def build(spec, out: Path):
     """Build an embedded model into `out` (atomically: a temporary folder, then a rename)."""
     out = Path(out)
@@ -251,13 +275,14 @@ def build(spec, out: Path):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        config = hf_config(spec)
-        params, quant, qconfig = _shapes(config, spec.get("quantization_mode", "affine"))
-        config["quantization"] = qconfig["quantization"]
-        config["quantization_config"] = qconfig["quantization"]
-        shards = _groups(params)
+        config, quant, shards, need = _plan(spec)
         n = len(shards)
-        files = {}
+        short = disk_short(out.parent, sum(need))
+        if short is not None:
+            raise BuildError(f"{short} to build '{spec['id']}' ({sum(need) / 1e9:.2f} GB of weights in {n} files); "
+                             "free space there or set TITAN_RESOURCES to a larger disk")  # fmt: skip
+        files, start = {}, time.perf_counter()
+        progress(spec["id"], 0, n, 0, sum(need), 0.0)  # what it will write, before it starts
         for i, shard in enumerate(shards):
             name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             tensors = {}
@@ -268,6 +293,7 @@ def build(spec, out: Path):
                 tensors[pname] = (_ST_DTYPES[dtype], shape, raw)
             write_safetensors(tmp / name, tensors, {"format": "mlx"})
             files[name] = sorted(tensors)
+            progress(spec["id"], i + 1, n, sum(need[: i + 1]), sum(need), time.perf_counter() - start)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         train_tokenizer(spec["vocab"], tmp)
         manifest = {

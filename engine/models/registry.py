@@ -130,6 +130,11 @@ def load_registry(path=None) -> dict:
     extra = Path(path) if path else user_path()
     if extra is not None and extra.resolve() != PACKAGED.resolve():
         models.update({mid: dict(spec, source=str(extra)) for mid, spec in read_models_file(extra).items()})
+    for mid, spec in models.items():
+        real = spec.get("mirrors")
+        if real is not None and models.get(real, {}).get("kind") != "real":
+            raise RegistryError(f"{spec['source']}: field models.{mid}.mirrors: '{real}' is not a real model "
+                                "of the registry (the checkpoint whose dimensions it takes)")  # fmt: skip
     return models
 
 

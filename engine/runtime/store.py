@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..config import disk_short, progress
 from ..models.anatomy import expert_params, get_param, moe_layers
 
 FORMAT = "titan-expert-store"
@@ -110,11 +111,37 @@ def build(model, model_path, out, model_id: str) -> Path:
     """Write the expert store of a (lazily) loaded mlx-lm model into `out`, atomically."""
 
     out = Path(out)
+    blocks = list(moe_layers(model))
+    need = [_layer_bytes(glu) for _, glu in blocks]
+    short = disk_short(out.parent, sum(need))
+    if short is not None:
+        raise StoreError(
+            f"{short} to build the expert store of '{model_id}' ({sum(need) / 1e9:.2f} GB in {len(need)} "
+            "layer files); free space there or set TITAN_RESOURCES to a larger disk"
+        )
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write(blocks, need, model_path, out, tmp, model_id)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _layer_bytes(glu) -> int:
+    """A MoE layer's file: its experts' records, each rounded up to a page."""
+    params = list(expert_params(glu))
+    record = -(-sum(int(np.prod(a.shape[1:])) * a.dtype.size for _, a in params) // PAGE) * PAGE
+    return record * params[0][1].shape[0]
+
+
+def _write(blocks, need, model_path, out: Path, tmp: Path, model_id: str) -> Path:
     layers = []
     tensors = None
-    for ordinal, (li, glu) in enumerate(moe_layers(model)):
+    start = time.perf_counter()
+    what = f"the expert store of {model_id}"
+    progress(what, 0, len(blocks), 0, sum(need), 0.0)
+    for ordinal, (li, glu) in enumerate(blocks):
         specs, off = [], 0
         for name, a in expert_params(glu):
             shape = tuple(a.shape[1:])
@@ -142,6 +169,7 @@ def build(model, model_path, out, model_id: str) -> Path:
             os.fsync(f.fileno())
         layers.append({"layer": li, "file": fname, "experts": num_experts, "crc32": crcs})
         mx.clear_cache()
+        progress(what, ordinal + 1, len(blocks), sum(need[: ordinal + 1]), sum(need), time.perf_counter() - start)
     if tensors is None:
         raise StoreError(f"model '{model_id}' has no MoE layer: nothing to store")
     index = {
