@@ -49,6 +49,7 @@ class Plan:
     area: int  # the many-rows area (engine.runtime.moe)
     margin: int
     install: str = ""  # the install it was planned for
+    least: int = 0  # the smallest budget that decodes with this install: top-k experts a layer resident
 
     @property
     def tables(self) -> int:
@@ -124,12 +125,12 @@ def plan(model, budget: int, top_k: int, install, context: int = 4096, readers: 
     fixed = weights + kv + buffers + margin
     room = budget - fixed - area
     slots = min(experts, room // (len(blocks) * expert_bytes)) if room > 0 else 0
+    need = fixed + area + top_k * len(blocks) * expert_bytes
     if slots == experts:  # every expert resident: no many-rows call, no area
         area = 0
     p = Plan(budget, int(slots), experts, top_k, len(blocks), expert_bytes, weights, kv, buffers, area, margin,
-             install.name)  # fmt: skip
+             install.name, need)  # fmt: skip
     if slots < top_k:
-        need = fixed + area + top_k * len(blocks) * expert_bytes
         raise ValueError(
             f"--memory {fmt(budget)} cannot hold this model: the part that is not experts takes {fmt(fixed + area)} "
             f"(weights {fmt(weights)}, KV cache for {context} tokens {fmt(kv)}, read buffers {fmt(buffers)}, "

@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 from engine import api, device, load
-from engine.arguments import at_most, positive, probability
+from engine.arguments import at_most, memory_size, positive, probability
 from engine.config import EngineConfig
 from engine.models import registry
 from engine.predict import prompts
@@ -36,7 +36,7 @@ from engine.runtime.slots import SlotTable
 from engine.runtime.store import aligned_empty
 from engine.tracing import trace
 
-from . import manyrows, provenance, rawlog, servebench
+from . import families, manyrows, provenance, rawlog, servebench
 from .design import HOST_VIEWS
 from .report.tables.common import paired
 
@@ -50,7 +50,9 @@ def model_of(a) -> str:
 
 
 def add_args(p):
-    p.add_argument("which", choices=["throughput", "miss", "install", "prefetch", "serve", "prefill", "batch"])
+    p.add_argument(
+        "which", choices=["throughput", "miss", "install", "prefetch", "serve", "prefill", "batch", "families"]
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -147,6 +149,30 @@ def add_args(p):
     )
     p.add_argument("--clients", type=at_most(256), default=8, help="serve: clients at once (1..256)")
     p.add_argument("--requests", type=at_most(1000), default=2, help="serve: completions each client asks, one by one")
+    p.add_argument(
+        "--fractions",
+        type=probability,
+        nargs="+",
+        default=[0.125, 0.25, 0.5],
+        help="families: slot counts holding these fractions of each layer's experts",
+    )
+    p.add_argument(
+        "--budgets",
+        type=memory_size,
+        nargs="*",
+        default=[8 * 10**9, 16 * 10**9, 24 * 10**9],
+        help="families: memory budgets (a card's memory) to decode each family at",
+    )
+    p.add_argument(
+        "--families",
+        nargs="+",
+        default=None,
+        help="families: the models to run, each in a process of its own (default: every shape that mirrors a "
+        "real checkpoint, and olmoe-1b-7b-shape); --model: one, in this process",
+    )
+    p.add_argument(
+        "--clean", action="store_true", help="families: remove each family's model and store once it is recorded"
+    )
     p.add_argument(
         "--record", action="store_true", help="also write the result as a raw record under results/raw/bench/<which>/"
     )
@@ -728,8 +754,10 @@ def main(a):
     check_args(a)
     started = provenance.utc_now()
     benches = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench, "serve": serve,
-               "prefill": manyrows.prefill, "batch": manyrows.batch}  # fmt: skip
+               "prefill": manyrows.prefill, "batch": manyrows.batch, "families": families.families}  # fmt: skip
     out = benches[a.which](a)
+    if out is None:  # bench families over several families: each recorded in a process of its own
+        return
     if a.record:
         cfg = {k: v for k, v in vars(a).items() if k not in ("fn", "record")}
         path = rawlog.write_run(
@@ -744,3 +772,5 @@ def main(a):
             revision=None,
         )
         print(f"raw record: {path}")
+    if a.which == "families" and a.clean:
+        families.clean(out["model"])

@@ -847,3 +847,46 @@ def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compar
     assert set(bat["tok_s"]["S=16/ahead"]) == {"1", "4"} and all(bat["tokens_match"].values())
     assert "tok_s_max[S=16/device/union@B4]" in many_rows_figures(bat)
     assert "tokens DIFFER" not in capsys.readouterr().out
+
+
+def test_bench_families_measures_a_family_beside_resident_records_it_once_and_reads_it_into_the_tables(tmp_path):
+    """`bench families` on the CPU, as a sweep of one family (each in its own process): built in
+    resources of its own, every configuration against resident in the same repeat (a fraction, a
+    budget that holds it, one that cannot: not measured, said why; the pinned install: not on a
+    CPU), tokens equal resident's, the bus-bound limit from the bandwidth the run measured; its
+    files removed once recorded (`--clean`); run again, the family is recorded already and skipped.
+    The record then makes the README's table row, docs/gpu.md's table and the figure."""
+    env = dict(os.environ, TITAN_RESOURCES=str(tmp_path / "res"), TITAN_RAW=str(tmp_path / "raw"))
+    cmd = [sys.executable, "-m", "harness", "bench", "families", "--families", "qwen3moe-tiny", "--fractions",
+           "0.25", "--budgets", "12MB", "1MB", "--repeats", "2", "--tokens", "3", "--prompt-tokens", "24", "--record",
+           "--clean"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tokens = resident" in r.stdout and "DIFFER" not in r.stdout
+    assert not (tmp_path / "res" / "models" / "qwen3moe-tiny").exists()  # removed once recorded
+    assert not (tmp_path / "res" / "stores" / "qwen3moe-tiny").exists()
+    recs = records.read([tmp_path / "raw" / "bench" / "families"])
+    assert len(recs) == 1
+    res = recs[0]["result"]
+    assert set(res["configurations"]) == {"25%", "12.0 MB"}
+    assert "cannot hold this model" in res["skipped"]["1.0 MB"] and "pinned 25%" in res["skipped"]
+    quarter = res["configurations"]["25%"]
+    assert quarter["slots"] == 32 and quarter["tokens_match"] and quarter["tok_s"]["n"] == 2
+    assert 0 < quarter["limit_x_resident"] <= 1 and res["bus"]["gb_s"] > 0 and res["least_budget_bytes"] > 1e6
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert again.returncode == 0 and "qwen3moe-tiny: recorded at this commit on this machine already" in again.stderr
+    assert len(records.read([tmp_path / "raw" / "bench" / "families"])) == 1
+
+    from harness.report import docblocks
+
+    table = bench_tables.bench_table(recs)
+    row = docblocks.families_table(table)
+    assert "| `qwen3moe-tiny` |" in row and "| least budget |" in row
+    assert docblocks.families_table(table.iloc[:0]).startswith("No `bench families` is recorded yet")
+    detail = docblocks.families_detail(table)
+    assert "| 25% | 32 |" in detail and "= resident" in detail and "(target" not in detail  # targets: a GPU's
+    figdir = tmp_path / "fig"
+    (figdir / "tables").mkdir(parents=True)
+    table.to_csv(figdir / "tables" / "bench.csv", index=False)
+    plotting.families(figdir)
+    assert (figdir / "families.png").stat().st_size > 10_000

@@ -260,6 +260,7 @@ HARNESS_MAY_USE = (
     "engine.arguments",
     "engine.config",
     "engine.device",
+    "engine.memory",
     "engine.versions",
     "engine.models.registry",
     "engine.models.train",

@@ -93,7 +93,7 @@ def hf_config(spec) -> dict:
 
 
 def spec_digest(spec) -> str:
-    keep = {k: v for k, v in spec.items() if k not in ("description", "id", "source")}  # where, not what
+    keep = {k: v for k, v in spec.items() if k not in ("description", "id", "source", "mirrors")}  # not what
     blob = json.dumps({"spec": keep, "builder": BUILDER_VERSION}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
 

@@ -301,6 +301,116 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
     return "\n".join(out).strip() or "No `bench prefill` or `bench batch` is recorded yet."
 
 
+# issue 49's targets on a GPU: every family at each fraction at least this share of its bus-bound
+# limit; the families named at 25 % at least this multiple of resident; 25 % at most this memory
+FAMILY_LIMIT_TARGET = 0.9
+FAMILY_RESIDENT_TARGET = {"qwen3-30b-a3b-shape": 0.88, "deepseek-v2-lite-shape": 0.88}
+FAMILY_MEMORY_TARGET = 0.35
+CARDS_GB = (8, 12, 16, 24, 32, 48, 80)  # the cards a family's least budget is read against
+FRACTIONS = ("12.5%", "25%", "50%")
+
+
+def _family_runs(bench: pd.DataFrame) -> list:
+    """[((device, chip, model), {figure: value}, run id, commit)] of the latest `bench families`
+    run of each machine and model."""
+    b = bench[bench["bench"] == "families"] if len(bench) else bench
+    out = []
+    for key, g in b.groupby(["device", "chip", "model"], sort=True):
+        run = one_run(g, "tok_s[")
+        out.append((key, dict(zip(run["figure"], run["value"])), run["run_id"].iloc[0], run["commit"].iloc[0]))
+    return out
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def _card(fig: dict, gb: int) -> str | None:
+    """The configuration of a `gb` GB budget in a run (named as engine.memory.fmt names it)."""
+    return next((f[len("tok_s[") : -1] for f in fig if f.startswith("tok_s[") and f[len("tok_s[") : -1]
+                 .replace(" GB", "").replace(".0", "") == str(gb)), None)  # fmt: skip
+
+
+def families_table(bench: pd.DataFrame) -> str:
+    """The README's table: one row per family and machine (its latest `bench families` run):
+    resident's speed and memory, the least budget that decodes, the speed at a 16 GB card's budget
+    and at 25 % of each layer's experts, and the cards it fits; then which are bound by the bus."""
+    runs = _family_runs(bench)
+    if not runs:
+        return ("No `bench families` is recorded yet: `python -m harness bench families --record --clean` measures "
+                "each family on this machine, one at a time.")  # fmt: skip
+    head = ("| family | on | weights | resident | least budget | at a 16 GB budget | 25 % of experts "
+            "(its bus-bound limit) | cards that hold it |")  # fmt: skip
+    out = [head, "| --- " * 8 + "|"]
+    bound = []
+    for (device, chip, model), fig, _, _ in runs:
+        res = fig.get("tok_s[resident]")
+        resident = f"{res:.1f} tok/s, {_gb(fig['memory_bytes[resident]'])}" if res else "did not run"
+        card = _card(fig, 16)
+        at16 = f"{fig[f'tok_s[{card}]']:.1f} tok/s, {fig[f'x resident[{card}]']:.2f}×" if card else "does not fit"
+        q = "25%"
+        quarter = (f"{fig[f'x resident[{q}]']:.2f}× ({fig[f'limit x resident[{q}]']:.2f}×)"
+                   if f"x resident[{q}]" in fig else "")  # fmt: skip
+        least = fig["least_budget_bytes"]
+        cards = [c for c in CARDS_GB if c * 1e9 >= least]
+        fits = f"{cards[0]} GB and up" if cards else f"none up to {CARDS_GB[-1]} GB"
+        out.append(f"| `{model}` | {chip} ({device}) | {_gb(fig['weights_bytes'])} | {resident} | {_gb(least)} | "
+                   f"{at16} | {quarter} | {fits} |")  # fmt: skip
+        limits = {c: fig[f"limit x resident[{c}]"] for c in FRACTIONS if f"limit x resident[{c}]" in fig}
+        if limits and min(limits.values()) < 1:
+            worst = min(limits, key=limits.get)
+            bound.append(f"`{model}` on {chip} (at {worst} of its experts the bytes a token reads cap it at "
+                         f"{limits[worst]:.2f}× of resident)")  # fmt: skip
+    text = "\n".join(out)
+    if bound:
+        text += "\n\nBound by the bus: " + "; ".join(bound) + "."
+    return text
+
+
+def families_detail(bench: pd.DataFrame) -> str:
+    """docs/gpu.md's tables: every configuration of each family's latest run, against resident in
+    the same repeat, its bus-bound limit, and issue 49's targets on a GPU."""
+    runs = _family_runs(bench)
+    if not runs:
+        return "No `bench families` is recorded yet."
+    out = []
+    for (device, chip, model), fig, run_id, commit in runs:
+        configs = sorted((f[len("tok_s[") : -1] for f in fig if f.startswith("tok_s[") and f != "tok_s[resident]"),
+                         key=lambda c: fig[f"memory_bytes[{c}]"])  # fmt: skip
+        gpu = device == "gpu"
+        res = fig.get("tok_s[resident]")
+        out.append(f"`bench families` on {chip} ({device}), `{model}` ({int(fig['layers'])} layers, "
+                   f"{int(fig['experts'])} experts), run `{run_id}` at `{commit}`, {int(fig['repeats'])} repeats each "
+                   f"against resident in the same repeat; resident {res or float('nan'):.1f} tok/s, "
+                   f"{_gb(fig['memory_bytes[resident]'])}; the bus {fig['bus_gb_s']:.1f} GB/s:")  # fmt: skip
+        out.append("")
+        out.append("| | S | tok/s | × resident [min, max] | bus-bound limit | × its limit | first token | memory "
+                   "(× resident) | read a token | host a layer | tokens |")  # fmt: skip
+        out.append("| --- " * 11 + "|")
+        for c in configs:
+            x, lo, hi = (fig[f"x resident{p}[{c}]"] for p in ("", "_min", "_max"))
+            lim, xl = fig[f"limit x resident[{c}]"], fig[f"x limit[{c}]"]
+            mark = ""
+            if gpu and c in FRACTIONS and xl < FAMILY_LIMIT_TARGET:
+                mark = f" (target {FAMILY_LIMIT_TARGET}: missed by {FAMILY_LIMIT_TARGET - xl:.2f})"
+            out.append(f"| {c} | {int(fig[f'slots[{c}]'])} | {fig[f'tok_s[{c}]']:.1f} | "
+                       f"{x:.2f}× [{lo:.2f}, {hi:.2f}] | {lim:.2f}× | {xl:.2f}{mark} | {fig[f'ttft_ms[{c}]']:.0f} ms | "
+                       f"{_gb(fig[f'memory_bytes[{c}]'])} ({fig[f'memory x resident[{c}]']:.2f}×) | "
+                       f"{fig[f'bytes_read_per_token[{c}]'] / 1e6:.1f} MB | {fig[f'host_ms_per_layer[{c}]']:.3f} ms | "
+                       f"{'= resident' if fig[f'tokens_match[{c}]'] else 'DIFFER'} |")  # fmt: skip
+        if gpu and "x resident[25%]" in fig:
+            said = []
+            t = FAMILY_RESIDENT_TARGET.get(model)
+            if t is not None:
+                said.append(f"25 % of experts {_verdict(fig, 'x resident', '25%', t)} of resident")
+            mem = _verdict(fig, "memory x resident", "25%", FAMILY_MEMORY_TARGET, at_most=True)
+            said.append(f"memory at 25 % {mem}")
+            out.append("")
+            out.append("Targets: " + "; ".join(said) + ".")
+        out.append("")
+    return "\n".join(out).strip()
+
+
 ORACLE_TARGET = 0.8  # issue 29: oracle prefetch at S = 16, x resident
 # Where the engine's device install queues a prefetch by default (installs.DeviceInstall.overlap_default;
 # this layer imports no engine, a test holds the two together): on the decode stream.
@@ -534,6 +644,8 @@ def build(tables: dict, root=".", raw=None, by_file=None) -> list:
         blocks["many-rows"] = many_rows(tables["bench"], only_targets=True)
         blocks["many-rows-all"] = many_rows(tables["bench"])
         blocks["many-rows-tables"] = many_rows_tables(tables["bench"])
+        blocks["families"] = families_table(tables["bench"])
+        blocks["families-all"] = families_detail(tables["bench"])
     if "prefetch_online" in tables:
         blocks["prediction-pays-full"] = prediction_pays(tables["prefetch_online"], full=True)
     if raw is not None:

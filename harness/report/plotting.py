@@ -513,6 +513,50 @@ def many_rows(figdir):
     _save(fig, figdir, "many_rows")
 
 
+def _config_figures(g: pd.DataFrame) -> dict:
+    """{figure: value} of one run's rows."""
+    return dict(zip(g["figure"], g["value"]))
+
+
+def families(figdir):
+    """The families users run: decode tok/s against the device memory each configuration held,
+    one panel per family (its latest `bench families` run on each machine), resident as a star,
+    the bus-bound limit of the bytes each configuration read a token as a dashed line."""
+    b = _read(figdir, "bench")
+    b = b[b["bench"] == "families"] if not b.empty else b
+    if b.empty:
+        return _empty(figdir, "families", "bench families records")
+    b = b.assign(machine=_machine(b))
+    keys = sorted(b.groupby(["machine", "model"]).groups)
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + 0.6), squeeze=False)
+    for ax, (machine, model) in zip(axes.flat, keys):
+        g = b[(b["machine"] == machine) & (b["model"] == model)]
+        fig_ = _config_figures(g[g["run_id"] == g["run_id"].max()])
+        configs = sorted((f[len("tok_s[") : -1] for f in fig_ if f.startswith("tok_s[") and f != "tok_s[resident]"),
+                         key=lambda c: fig_[f"memory_bytes[{c}]"])  # fmt: skip
+        mem = [fig_[f"memory_bytes[{c}]"] / 1e9 for c in configs]
+        tok = [fig_[f"tok_s[{c}]"] for c in configs]
+        err = [[fig_[f"tok_s[{c}]"] - fig_[f"tok_s_min[{c}]"] for c in configs],
+               [fig_[f"tok_s_max[{c}]"] - fig_[f"tok_s[{c}]"] for c in configs]]  # fmt: skip
+        ax.errorbar(mem, tok, yerr=err, marker="o", capsize=3, color="C0", label="offloaded (the default install)")
+        for c, x, y in zip(configs, mem, tok):
+            ax.annotate(c, (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+        res = fig_.get("tok_s[resident]")
+        if res is not None:
+            ax.plot([fig_["memory_bytes[resident]"] / 1e9], [res], marker="*", markersize=12, color="k",
+                    linestyle="none", label="resident")  # fmt: skip
+            ax.plot(mem, [res * fig_[f"limit x resident[{c}]"] for c in configs], "--", color="C3",
+                    label="bus-bound limit of the bytes read a token")  # fmt: skip
+        ax.set_xlabel("device memory held (GB)")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"{model}, {machine}", fontsize=8)
+    _shared_legend(fig, axes, len(keys), "The families users run: speed against memory (medians; whiskers: "
+                   "min..max over the repeats)", bottom=0.12 if rows == 1 else 0.06)  # fmt: skip
+    _save(fig, figdir, "families")
+
+
 # The parts of a token's time the records measure; `other` is the rest of the median token time.
 SPLIT_PARTS = (
     ("sync_ms_per_token", "sync", "C4"),
@@ -639,6 +683,7 @@ def drawings(figdir, trained) -> dict:
         "routing": partial(routing, figdir),
         "train_loss": partial(train_loss, figdir),
         "many_rows": partial(many_rows, figdir),
+        "families": partial(families, figdir),
     }  # fmt: skip
 
 

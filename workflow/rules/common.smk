@@ -46,7 +46,8 @@ envvars:
 TABLES = ["design", "prefetch_online", "miss_breakdown", "predictor_quality", "routing", "train_loss",
           "placement_sim", "multinode", "sync_ablation", "wire_ablation", "bench", "suite", "determinism", "claims"]
 FIGURES = ["design", "throughput_vs_slots", "stall_vs_slots", "miss_breakdown", "predictor_recall",
-           "routing", "train_loss", "placement", "throughput_vs_memory", "prediction_pays", "many_rows"]
+           "routing", "train_loss", "placement", "throughput_vs_memory", "prediction_pays", "many_rows",
+           "families"]
 FITTED = ["popularity", "transition", "probe"]
 
 

@@ -13,6 +13,7 @@ rule plots:
         report("{figdir}/throughput_vs_memory.png", caption="../report/throughput_vs_memory.rst", category="Gate C"),
         report("{figdir}/prediction_pays.png", caption="../report/prediction_pays.rst", category="Gate C"),
         report("{figdir}/many_rows.png", caption="../report/many_rows.rst", category="Benches"),
+        report("{figdir}/families.png", caption="../report/families.rst", category="Benches"),
         expand("{{figdir}}/{f}.pdf", f=FIGURES),
     log:
         "results/logs/plots/{figdir}.log",

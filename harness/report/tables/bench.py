@@ -80,6 +80,35 @@ def many_rows_figures(res: dict) -> dict:
     return figs
 
 
+def families_figures(res: dict) -> dict:
+    """A `bench families` record's figures: per configuration (`25%`, `16.0 GB`, `pinned 25%`, and
+    `resident`) its decode tok/s and ratio to resident's in the same repeat (median, min, max), the
+    bus-bound limit of the bytes it read a token and its ratio to that limit, time to first token,
+    device memory, bytes read and host time a layer, whether its tokens were resident's; and the
+    family's least budget that decodes, its weights and the bus's bandwidth."""
+    figs, res_mem = {}, res["resident"]["device_memory_bytes"]
+    if res["resident"]["tok_s"]:
+        _spread_figures(figs, "tok_s", "resident", res["resident"]["tok_s"])
+        figs["ttft_ms[resident]"] = 1e3 * res["resident"]["ttft_s"]["median"]
+    figs["memory_bytes[resident]"] = res_mem
+    for k, c in res["configurations"].items():
+        _spread_figures(figs, "tok_s", k, c["tok_s"])
+        _spread_figures(figs, "x resident", k, c["x_resident"])
+        figs[f"limit x resident[{k}]"] = c["limit_x_resident"]
+        figs[f"x limit[{k}]"] = c["x_limit"]
+        figs[f"ttft_ms[{k}]"] = 1e3 * c["ttft_s"]["median"]
+        figs[f"memory_bytes[{k}]"] = c["device_memory_bytes"]
+        figs[f"memory x resident[{k}]"] = c["device_memory_bytes"] / res_mem
+        figs[f"bytes_read_per_token[{k}]"] = c["bytes_read_per_token"]
+        figs[f"host_ms_per_layer[{k}]"] = c["host_ms_per_layer"]
+        figs[f"slots[{k}]"] = c["slots"]
+        figs[f"tokens_match[{k}]"] = float(c["tokens_match"])
+    figs.update(least_budget_bytes=res["least_budget_bytes"], weights_bytes=res["weights_bytes"],
+                bus_gb_s=res["bus"]["gb_s"], repeats=res["repeats"], experts=res["shape"]["experts"],
+                layers=res["shape"]["layers"])  # fmt: skip
+    return figs
+
+
 def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
@@ -144,6 +173,8 @@ def bench_table(recs):
                     figs[f"pipelined[{k}]"] = float(res.get("loop") == "pipelined")
         elif base["bench"] in ("prefill", "batch"):
             figs = many_rows_figures(res)
+        elif base["bench"] == "families":
+            figs = families_figures(res)
         elif base["bench"] == "serve":
             base["slots"] = res["slots"]
             for k, v in res["servers"].items():

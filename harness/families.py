@@ -1,0 +1,280 @@
+"""`bench families`: the models users run, at their real sizes, one family at a time: each
+registered shape that `mirrors` a real checkpoint, built if absent,
+decoded resident and offloaded on this machine's memory.
+
+Per family, every configuration beside resident decoding (mlx-lm's own model) in the same repeat:
+the default install at slot counts holding `--fractions` of each layer's experts, at `--budgets`
+(a card's memory: `--memory`), and the pinned install at 25 % where it runs. One engine is loaded
+at a time (a family's host tier is the model's size) and its repeats alternate with resident's
+(resident, engine, resident, engine, ...). Each decode goes through mlx-lm's `generate_step`
+after a `--prompt-tokens` prompt: the time to first token, the decode tok/s, the greedy tokens
+(compared with resident's), and the most device memory it held. Then one decode through the
+engine's loop gives the bytes it read a token and where a token's host time goes, and the bus's
+bandwidth, measured in the same run, gives the bus-bound limit those bytes imply: resident's time
+a token over the larger of resident's time and the bus's time for the bytes.
+
+Several families run one per process (`python -m harness bench families --model ID`), so that each
+starts with the device's memory free; with `--record`, a family whose record this commit and
+machine already hold is not measured again (resumable), and `--clean` removes a family's model and
+store once its record is written (the H200's disk holds one family at a time). Speed is reported,
+never asserted."""
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+
+from engine import EngineConfig, device, load, memory
+from engine.config import resources_dir
+from engine.models import registry
+from engine.runtime import installs
+from engine.runtime.engine import open_store
+from engine.runtime.loop import call_split, decode, time_split, totals
+from engine.runtime.store import aligned_empty
+
+from . import manyrows, provenance, rawlog, records
+from .report.tables.common import paired
+
+PINNED_FRACTION = 0.25
+BUS_BYTES = 256 << 20  # what one bandwidth sample moves
+
+
+def default_models() -> list:
+    """The families: every registered shape that mirrors a real checkpoint, smallest first."""
+    specs = registry.load_registry()
+    return sorted((m for m, s in specs.items() if s.get("mirrors")), key=lambda m: (registry.shape(m)["layers"], m))
+
+
+def configurations(mid: str, fractions, budgets) -> tuple[dict, dict]:
+    """({name: EngineConfig} to measure, {name: why it is not}) for one family."""
+    shape = registry.shape(mid)
+    E, K = shape["experts"], shape["top_k"]
+    out, skipped = {}, {}
+    for f in fractions:
+        name, s = f"{100 * f:g}%", round(f * E)
+        if s < K:
+            skipped[name] = f"{s} of {E} experts is below top_k {K}"
+        else:
+            out[name] = EngineConfig(slots=min(s, E))
+    for b in budgets:
+        out[memory.fmt(b)] = EngineConfig(memory=b)
+    why = device.pinned_unavailable()
+    name, s = f"pinned {100 * PINNED_FRACTION:g}%", max(K, round(PINNED_FRACTION * E))
+    if why is None:
+        out[name] = EngineConfig(slots=s, install="pinned")
+    else:
+        skipped[name] = why
+    return out, skipped
+
+
+def bus_gb_s(store) -> dict:
+    """The bandwidth a miss crosses, measured now: on a CUDA GPU a `cudaMemcpy` from pinned host
+    memory to the device; on the CPU a `preadv` of a store file from the page cache into memory
+    (where the CPU's installs read). Median GB/s of 7 samples of up to 256 MiB."""
+    layer = store.path / store.layers[0]["file"]
+    n = min(BUS_BYTES, os.path.getsize(layer) // 4096 * 4096)
+    buf = aligned_empty(n)
+    samples = []
+    if device.pinned_unavailable() is None:
+        rt = device.cuda_runtime()
+        reg = device.Registration(buf, rt)
+        dev = rt.malloc(n)
+        try:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                rt.memcpy_h2d(dev, buf.ctypes.data, n)
+                rt.synchronize()
+                samples.append(time.perf_counter() - t0)
+        finally:
+            rt.free(dev)
+            reg.release()
+        how = "cudaMemcpy from pinned host memory"
+    else:
+        fd = os.open(layer, os.O_RDONLY)
+        try:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                os.preadv(fd, [buf], 0)
+                samples.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+        how = "preadv of a store file from the page cache"
+    samples = samples[1:]  # the first touches the pages
+    return dict(gb_s=n / statistics.median(samples) / 1e9, bytes=n, samples=len(samples), how=how)
+
+
+def _engine_loop(model, ids, tokens: int, layers: int) -> dict:
+    """One decode through the engine's loop (pipelined, as generate_step is): the bytes it read a
+    token, where a token's time goes, and the host's own work a MoE layer: building the token's
+    graph, less what it spent waiting there (for the device at a synchronisation, for reads)."""
+    recs = decode(model, ids, tokens, pipelined=True)[1]
+    t = totals(recs)
+    split, calls = time_split(recs), call_split(recs)
+    host = calls.get("graph", 0.0) - split.get("sync", 0.0) - split.get("stall", 0.0)
+    return dict(bytes_read_per_token=t["bytes_read"] / max(1, t["tokens"]), time_split_ms=split,
+                call_split_ms=calls, host_ms_per_layer=host / max(1, layers))  # fmt: skip
+
+
+def measure(a, mid: str) -> dict:
+    """One family: everything of the module docstring, as one record's result."""
+    started = time.perf_counter()
+    spec = registry.get_spec(mid)
+    t0 = time.perf_counter()
+    registry.model_dir(mid)  # built here if absent, with its progress
+    build_s = time.perf_counter() - t0
+    context = registry.context_of(mid)
+    prompt_tokens = min(a.prompt_tokens or 2048, context - a.tokens - 1)
+    configs, skipped = configurations(mid, a.fractions, a.budgets)
+    model, tok, _, path = registry.load(mid, lazy=True)
+    t0 = time.perf_counter()
+    store = open_store(mid, model, path)  # built here if absent
+    store_s = time.perf_counter() - t0
+    bus = bus_gb_s(store)
+    store.close()
+    tier = memory.host_tier_bytes(model)
+    least = memory.plan(model, 1 << 60, registry.shape(mid)["top_k"], installs.choose("auto", tier)).least
+    del model
+    ids = manyrows.long_ids(tok, prompt_tokens, a.set)
+    base = mx.get_active_memory()
+    ref = registry.load_reference(mid)[0]
+    manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
+    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None)
+    results = {}
+    for name, cfg in configs.items():
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        try:
+            eng = load(mid, cfg)
+        except ValueError as e:  # a budget that cannot hold the family
+            skipped[name] = str(e)
+            continue
+        try:
+            manyrows.first_token(eng.model, ids[:64], 2)
+            held = mx.get_active_memory() - before  # its weights and slot tables (the host tier is not MLX's)
+            runs = dict(ttft=[], tok_s=[], match=[], grew=0)
+            for r in range(a.repeats):
+                order = [("resident", ref), (name, eng.model)]
+                pair = {}
+                for who, m in order if r % 2 == 0 else order[::-1]:
+                    pair[who] = manyrows.first_token(m, ids, a.tokens)  # (ttft, tok/s, tokens, memory added)
+                (rs, rt, rtoks, rg), (es, et, etoks, eg) = pair["resident"], pair[name]
+                resident["ttft"].append(rs)
+                resident["tok_s"].append(rt)
+                resident["grew"] = max(resident["grew"], rg)
+                resident["tokens"] = resident["tokens"] or rtoks
+                runs["ttft"].append(es)
+                runs["tok_s"].append(et)
+                runs["match"].append(etoks == rtoks)
+                runs["grew"] = max(runs["grew"], eg)
+            loop = _engine_loop(eng.model, ids[:64], a.tokens, len(eng.store.layers))
+            results[name] = dict(
+                slots=eng.config.slots,
+                experts=registry.shape(mid)["experts"],
+                install=eng.install.name,
+                ttft_s=manyrows.spread(runs["ttft"]),
+                tok_s=manyrows.spread(runs["tok_s"]),
+                x_resident=paired(runs["tok_s"], resident["tok_s"][-a.repeats :]),
+                ttft_x_resident=paired(resident["ttft"][-a.repeats :], runs["ttft"]),
+                tokens_match=all(runs["match"]),
+                device_memory_bytes=held + runs["grew"],
+                **loop,
+            )
+        finally:
+            eng.close()
+            del eng
+            mx.clear_cache()
+    res_tok_s = statistics.median(resident["tok_s"]) if resident["tok_s"] else None
+    for r in results.values():  # the bus-bound limit of the bytes a token reads
+        t_res = 1 / res_tok_s
+        t_bus = r["bytes_read_per_token"] / (bus["gb_s"] * 1e9)
+        r["limit_x_resident"] = t_res / max(t_res, t_bus)
+        r["x_limit"] = r["x_resident"]["median"] / r["limit_x_resident"]
+    return dict(
+        bench="families",
+        model=mid,
+        mirrors=spec.get("mirrors"),
+        shape=registry.shape(mid),
+        weights_bytes=sum(f.stat().st_size for f in registry.model_dir(mid).glob("*.safetensors")),
+        build_s=build_s,
+        store_s=store_s,
+        prompt_tokens=prompt_tokens,
+        tokens=a.tokens,
+        repeats=a.repeats,
+        bus=bus,
+        least_budget_bytes=least,
+        resident=dict(
+            tok_s=manyrows.spread(resident["tok_s"]) if resident["tok_s"] else None,
+            ttft_s=manyrows.spread(resident["ttft"]) if resident["ttft"] else None,
+            device_memory_bytes=resident["held"] + resident["grew"],
+        ),  # fmt: skip
+        configurations=results,
+        skipped=skipped,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def show(out: dict):
+    res = out["resident"]
+    print(f"{out['model']} ({out['weights_bytes'] / 1e9:.1f} GB; bus {out['bus']['gb_s']:.1f} GB/s, "
+          f"{out['bus']['how']}): resident {res['tok_s']['median'] if res['tok_s'] else float('nan'):.1f} tok/s, "
+          f"{res['device_memory_bytes'] / 1e9:.2f} GB; the least budget that decodes "
+          f"{out['least_budget_bytes'] / 1e9:.2f} GB")  # fmt: skip
+    for k, r in out["configurations"].items():
+        x = r["x_resident"]
+        print(f"  {k:12s} S={r['slots']:<4d} {r['install']:8s} {r['tok_s']['median']:8.1f} tok/s "
+              f"x{x['median']:.2f} [{x['min']:.2f}, {x['max']:.2f}] of resident, limit x{r['limit_x_resident']:.2f} "
+              f"({r['x_limit']:.2f} of it); TTFT {1e3 * r['ttft_s']['median']:.0f} ms; "
+              f"{r['device_memory_bytes'] / 1e9:.2f} GB; {r['bytes_read_per_token'] / 1e6:.1f} MB read a token; "
+              f"host {r['host_ms_per_layer']:.3f} ms a layer; tokens "
+              f"{'= resident' if r['tokens_match'] else 'DIFFER'}")  # fmt: skip
+    for k, why in out["skipped"].items():
+        print(f"  {k:12s} not measured: {why}")
+
+
+def recorded(mid: str) -> str | None:
+    """The record of `mid` this commit already has from this machine and device, if any."""
+    here = (mid, provenance.git_state()["commit"], provenance.host_alias(), device.kind())
+    folder = rawlog.RAW / "bench" / "families"
+    for rec in records.read([folder]) if folder.exists() else []:
+        if (rec["result"].get("model"), rec.get("commit"), rec.get("host"), rec.get("device")) == here:
+            return rec["_file"]
+    return None
+
+
+def clean(mid: str):
+    """Remove a family's model and store (its record is written)."""
+    for folder in (registry.model_dir(mid, build=False), resources_dir() / "stores" / mid):
+        if folder.exists():
+            shutil.rmtree(folder)
+            print(f"[titan] removed {folder}", file=sys.stderr, flush=True)
+
+
+def families(a):
+    """`bench families`: one family in this process (`--model`), or each of them in its own."""
+    if a.model is not None:
+        out = measure(a, a.model)
+        show(out)
+        return out
+    passed = ["--tokens", str(a.tokens), "--repeats", str(a.repeats), "--set", a.set,
+              "--fractions", *map(str, a.fractions), "--budgets", *map(str, a.budgets)]  # fmt: skip
+    passed += ["--prompt-tokens", str(a.prompt_tokens)] if a.prompt_tokens else []
+    passed += ["--record"] if a.record else []
+    passed += ["--clean"] if a.clean else []
+    failed = []
+    for mid in a.families or default_models():
+        done = recorded(mid) if a.record else None
+        if done:
+            print(f"[titan] {mid}: recorded at this commit on this machine already ({done})", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            continue
+        cmd = [sys.executable, "-m", "harness", "bench", "families", "--model", mid, *passed]
+        print(f"[titan] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            failed.append(mid)
+    if failed:
+        raise SystemExit(f"bench families: {', '.join(failed)} failed (the others are recorded)")
+    return None
