@@ -140,3 +140,23 @@ def test_full_table_never_synchronises(reference, monkeypatch):
     _, logits, counters = run_engine("olmoe-tiny", ref)
     assert counters["misses"] == 0
     assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+FAMILIES = sorted(m for m, s in registry.load_registry().items() if s.get("mirrors"))
+
+
+@pytest.mark.parametrize("model_id", FAMILIES)
+def test_each_family_at_full_size_gives_mlx_lms_logits_at_a_quarter_of_its_experts(reference, model_id):
+    """The families users run, at their real sizes (`harness bench families` builds them; 4 to 26
+    GB, so a run that has not built one skips it, naming the command): the prefill and 4 decode
+    steps at 25 % of each layer's experts through the default install, bit for bit mlx-lm's."""
+    try:
+        registry.model_dir(model_id, build=False)
+    except registry.RegistryError as e:
+        pytest.skip(str(e))
+    shape = registry.shape(model_id)
+    ref = reference(model_id, steps=4)
+    slots = max(shape["top_k"], shape["experts"] // 4)
+    _, logits, counters = run_engine(model_id, ref, slots=slots)
+    assert counters["misses"] > 0
+    assert max_abs_diff(ref["logits"], logits) == 0.0
