@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import HOST_INSTALL, MODELS, run_engine
 
-from engine import EngineConfig, decode, load, max_abs_diff
+from engine import EngineConfig, decode, device, load, max_abs_diff
 from engine.models import registry
 from engine.runtime import moe
 from engine.runtime.hostcache import ExpertCache
@@ -150,6 +150,9 @@ def test_each_family_at_full_size_gives_mlx_lms_logits_at_a_quarter_of_its_exper
     """The families users run, at their real sizes (`harness bench families` builds them; 4 to 26
     GB, so a run that has not built one skips it, naming the command): the prefill and 4 decode
     steps at 25 % of each layer's experts through the default install, bit for bit mlx-lm's."""
+    if device.kind() != "gpu":  # olmoe-1b-7b-shape's ran past 15 minutes on the 2-core CPU
+        pytest.skip("a family at full size runs in the GPU suite: MLX's float16/bfloat16 quantized kernels "
+                    "take minutes a token on a CPU")  # fmt: skip
     try:
         registry.model_dir(model_id, build=False)
     except registry.RegistryError as e:
