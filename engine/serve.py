@@ -246,7 +246,6 @@ class _Guarded:
             ctx, tokens = self._real.generate(request, args, progress_callback=progress_callback, watch=watch)
         except PromptTooLong as e:
             raise Refused(400, str(e)) from None
-        deadline = watch.deadline if watch.deadline is not None else time.monotonic() + self._limits.request_timeout
         room = max(1, self._limits.context - len(ctx.prompt))
 
         def stopped(e: PrefillStopped):
@@ -267,10 +266,11 @@ class _Guarded:
                 except PrefillStopped as e:
                     raise stopped(e) from None
                 n += 1
-                if client_gone(self._conn):
+                why = watch.why_stop()  # the prefill's check, now between tokens
+                if why == "client went away":
                     ctx.stop()
                     raise ClientGone(f"client went away after {n} tokens")
-                if r.finish_reason is None and (n >= room or time.monotonic() > deadline):
+                if r.finish_reason is None and (n >= room or why == "time limit"):
                     ctx.stop()  # the generation thread stops after at most one more token
                     yield replace(r, finish_reason="length")
                     return

@@ -391,8 +391,8 @@ def _check_digest(spec, out: Path, manifest: Path):
 _HASHED: set[tuple] = set()
 
 
-def _identity(path: Path, sha: str) -> tuple:
-    st = path.stat()
+def _identity(path: Path, sha: str, st=None) -> tuple:
+    st = st or path.stat()
     return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, sha)
 
 
@@ -408,7 +408,7 @@ def verify_files(folder, want: dict, how: str, force: bool = False):
             st = path.stat()
         except FileNotFoundError:
             raise BuildError(f"{path}: missing (the build wrote it): {how}") from None
-        key = _identity(path, sha)
+        key = _identity(path, sha, st)
         if not force and key in _HASHED:
             continue
         got = sha256_file(path) if len(sha) == 64 else git_blob_sha1(path)
