@@ -134,6 +134,9 @@ for step in "$@"; do
             --installs device pinned --record  # the engine's loop: the per-token split (graph, eval)
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 3 --tokens 32 --overlap both --record ;;
+    decode16)  # the syncfree step's first run at S = 16 alone: a change's check against the run before it
+          run $py -m harness bench throughput --model $full --tokens 128 --repeats 5 --slots 16 \
+            --installs device pinned --loop mlx-lm --record ;;
     oracle)  # the syncfree step's prefetch alone: the oracle's fills on their own stream and on the decode stream
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
