@@ -10,7 +10,8 @@
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
 #   syncfree (the device install beside the pinned one: throughput at S = 8, 16, 32 through
-#   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch), oracle (that
+#   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch), decode16 (the
+#   first of those at S = 16 alone: a change's check against the run before; needs build), oracle (that
 #   prefetch alone, on a stream of its own and on the decode stream, 5 prompts; needs build),
 #   manyrows (bench prefill and bench batch: the device install at S = 8, 16, 32 with and without the
 #   next layer's area copied ahead, and pinned at S = 16, each beside resident; needs build),
