@@ -299,7 +299,7 @@ def check_args(a):
 def cmd_serve(a, rest):
     cfg = engine_config(a)
     model = registry.limits_of(a.model)
-    limits = serve.ServeLimits(model["context"], a.queue, a.request_timeout, vocab=model["vocab"])
+    limits = serve.ServeLimits(model["context"], a.queue, a.request_timeout, vocab=model["vocab"], batch=a.batch)
     serve.main(a.model, cfg, limits, rest)
 
 
@@ -431,7 +431,14 @@ def parser() -> argparse.ArgumentParser:
         "--queue",
         type=positive,
         default=8,
-        help="requests admitted at once, one generating and the rest waiting (default 8); past it: 503",
+        help="requests admitted at once (default 8); past it: 503",
+    )
+    p.add_argument(
+        "--no-batch",
+        dest="batch",
+        action="store_false",
+        help="serve requests one after the other (default: concurrent requests decode as one batch, as "
+        "mlx_lm.server's do; docs/serve.md)",
     )
     p.add_argument(
         "--request-timeout",

@@ -21,14 +21,15 @@ What it adds to mlx-lm's server, so that no client can stick it or make it build
   covers its prefill as well as its decode: the prefill is checked between its chunks
   (`--prefill-step-size` tokens), as is whether its client went away; a limit reached in the
   prefill is 503, in the decode the answer ends with `finish_reason: "length"`;
-- at most `--queue` requests are admitted at once (one generating, the others waiting their
-  turn); past that a request gets 503 with `Retry-After`;
+- at most `--queue` requests are admitted at once; past that a request gets 503 with `Retry-After`;
 - a chat needs a non-empty list of messages whose contents are text: anything else is 400.
 
-The engine keeps per-step state (the expert cache's counters, the prefetcher's reads in flight),
-so requests are served one after the other (the provider says the model is not batchable: mlx-lm's
-batched decode would route a batch's rows through one slot table at once), each in mlx-lm's
-generation thread, where the engine is also loaded.
+Concurrent requests are decoded together, as mlx-lm's server does for a resident model (the
+provider says the model is batchable: mlx-lm's BatchGenerator puts every request's next token
+through a layer as one call, which the engine computes over its many-rows area, exactly mlx-lm's
+rows; a prompt is prefilled chunk by chunk between the batch's decode steps). `--no-batch` serves
+them one after the other through mlx-lm's single-sequence path, as does a request with a `seed`
+(mlx-lm's rule). Everything runs in mlx-lm's generation thread, where the engine is also loaded.
 """
 
 import io
@@ -46,6 +47,7 @@ from queue import Queue
 
 import mlx.core as mx
 import mlx_lm.server as mlx_server
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.processors import load_processor
 
 from . import sampling
@@ -59,10 +61,11 @@ MAX_BODY = 16 << 20  # bytes a request's body may have: a chat of 16 MiB is far 
 @dataclass
 class ServeLimits:
     context: int  # the model's context: max_tokens above it is refused, generation stops at it
-    queue: int = 8  # requests admitted at once (one generating, the rest waiting)
+    queue: int = 8  # requests admitted at once (generating in one batch, or waiting their turn)
     request_timeout: float = 300.0  # seconds a request may generate
     retry_after: int = 5  # seconds a 503 asks the client to wait
     vocab: int | None = None  # the model's vocabulary: a logit_bias token id must lie below it
+    batch: bool = True  # concurrent requests decode as one batch (mlx-lm's BatchGenerator)
 
     def sampling(self) -> dict:
         """What engine.sampling checks a request's fields against."""
@@ -74,9 +77,9 @@ class EngineModelProvider(mlx_server.ModelProvider):
     failure is kept for the caller (the server does not open its port) instead of killing the
     generation thread."""
 
-    def __init__(self, cli_args, engine_config: EngineConfig):
+    def __init__(self, cli_args, engine_config: EngineConfig, batch: bool = True):
         super().__init__(cli_args)
-        self.engine_config = engine_config
+        self.engine_config, self.batch = engine_config, batch
         self.engine = None
         self.load_error = None
         self.loaded = threading.Event()
@@ -105,7 +108,8 @@ class EngineModelProvider(mlx_server.ModelProvider):
         self.tokenizer = eng.tokenizer
         self.processor = load_processor(eng.model, config)
         self.draft_model = None
-        self.is_batchable = False  # one request at a time: the expert cache is one per engine
+        # mlx-lm's own test (every layer's cache can merge into a batch's), unless --no-batch
+        self.is_batchable = self.batch and all(hasattr(c, "merge") for c in make_prompt_cache(eng.model))
 
 
 class ClientGone(Exception):
@@ -151,22 +155,31 @@ class Watch:
 
 class WatchedQueue(Queue):
     """A request's response queue (mlx-lm's generation thread puts its context, the prefill's
-    progress after every chunk, then the tokens): putting the context starts the time limit, and
-    putting progress raises PrefillStopped when the request should stop, which ends the prefill
-    where it is (mlx-lm's generation thread hands the exception back as the request's answer)."""
+    progress at every chunk, then the tokens): putting the context starts the time limit, and
+    putting progress stops the request's prefill where it is when it should stop. Served alone
+    (`single`), PrefillStopped is raised out of mlx-lm's prefill, whose generation thread hands it
+    back as the request's answer; in a batch, raising would end the batch's thread, so the request
+    is stopped (mlx-lm removes it from the batch) and PrefillStopped is its answer."""
 
     def __init__(self, watch: Watch):
         super().__init__()
-        self.watch = watch
+        self.watch, self.ctx, self.single, self.stopped = watch, None, False, False
 
     def put(self, item, block=True, timeout=None):
         if isinstance(item, mlx_server.GenerationContext):
+            self.ctx = item
             self.watch.start()
         elif isinstance(item, tuple):
             self.watch.progress = item
             why = self.watch.why_stop()
             if why is not None:
-                raise PrefillStopped(why)
+                if self.single:
+                    raise PrefillStopped(why)
+                if self.stopped:  # the batch's steps until mlx-lm removes it: its answer is given
+                    return
+                self.stopped = True
+                self.ctx.stop()
+                item = PrefillStopped(why)
         super().put(item, block, timeout)
 
 
@@ -185,6 +198,12 @@ class EngineResponseGenerator(mlx_server.ResponseGenerator):
             # MLX's streams end with the thread that made them, or the process aborts at exit
             # (`terminate called`, ml-explore/mlx#3126: MLX used in a thread)
             mx.clear_streams()
+
+    def _serve_single(self, request, stream):
+        rqueue = request[0]
+        if isinstance(rqueue, WatchedQueue):
+            rqueue.single = True
+        super()._serve_single(request, stream)
 
     def _tokenize(self, tokenizer, request, args):
         out = super()._tokenize(tokenizer, request, args)
@@ -456,7 +475,7 @@ class EngineAPIHandler(mlx_server.APIHandler):
 def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_args, ready=None):
     """Load the engine in mlx-lm's generation thread, then serve on cli_args' host and port until
     interrupted. `ready(address)` is called once the port is open."""
-    provider = EngineModelProvider(cli_args, engine_config)
+    provider = EngineModelProvider(cli_args, engine_config, limits.batch)
     generator = EngineResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size), limits.context)
     provider.loaded.wait()
     if provider.load_error is not None:

@@ -4,9 +4,9 @@ server in a rotating order, `--clients` clients at once, each asking `--requests
 of `--tokens` tokens. Reported per server: request latency (p50, p99 over every request), requests
 and tokens per second of wall time, and the server process's peak resident memory (Linux's VmHWM).
 
-mlx-lm's server batches concurrent requests of a resident model (its BatchGenerator); the
-engine's serves them one at a time (engine/serve.py says why), so its latency grows with the
-queue: this bench measures by how much."""
+Both batch concurrent requests (mlx-lm's BatchGenerator); the engine's server also runs with
+`--no-batch`, one request after the other, so that what batching gives on this machine is
+measured beside it."""
 
 import concurrent.futures
 import json
@@ -89,6 +89,7 @@ def run(a, model_id: str, slots: int | None, workdir: Path) -> dict:
         engine_cmd += ["--slots", str(slots)]
     servers = {
         f"engine S={slots or 'E'}": engine_cmd,
+        f"engine S={slots or 'E'} one at a time": [*engine_cmd, "--no-batch"],
         "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(path)],
     }
     procs, rounds = {}, {name: [] for name in servers}

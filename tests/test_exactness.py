@@ -163,3 +163,30 @@ def test_each_family_at_full_size_gives_mlx_lms_logits_at_a_quarter_of_its_exper
     _, logits, counters = run_engine(model_id, ref, slots=slots)
     assert counters["misses"] > 0
     assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
+@pytest.mark.parametrize("install", [HOST_INSTALL, "device"])
+def test_several_sequences_at_once_are_mlx_lms_batch_bit_for_bit(install):
+    """mlx-lm's batch_generate (what its server's batching runs) over an engine model at S = 16 of
+    128: four prompts of different lengths, left-padded into one batch, each decode step's rows
+    through a layer at once (more experts than slots: the many-rows area). Every sequence's tokens
+    and the log-probability of each, which come from its logits, are mlx-lm's bit for bit."""
+    from mlx_lm.generate import batch_generate
+
+    model, tok, _ = registry.load_reference("qwen3moe-tiny")
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\n", "class Stack:\n    def push(self", "x")]
+
+    def run(m):
+        out = batch_generate(m, tok, prompts, max_tokens=12, return_token_ids=True, return_logprobs=True)
+        return out.token_ids, out.logprobs
+
+    want = run(model)
+    eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install))
+    try:
+        got = run(eng.model)
+        many = eng.cache.stats.many_rows  # nothing resets it outside the engine's own loop
+    finally:
+        eng.close()
+    assert got[0] == want[0]
+    assert got[1] == want[1]  # floats compared exactly
+    assert many > 0  # the batch's rows did not fit the table
