@@ -16,6 +16,7 @@
 #   manyrows (bench prefill and bench batch: the device install at S = 8, 16, 32 with and without the
 #   next layer's area copied ahead, and pinned at S = 16, each beside resident; needs build),
 #   families (bench families --record --clean: issue 49's shapes, FAMILIES picks and orders them),
+#   serve (bench serve: the engine's server batched and one at a time beside mlx_lm.server),
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
 #   decodes of the full-size model, with MLX's CUDA graphs and without; needs build; no record),
@@ -152,6 +153,9 @@ for step in "$@"; do
     families)  # issue 49: each family's shape at its real size, one a process, built, measured, removed;
                # FAMILIES="id ..." picks them in that order (default: every family, fewest layers first)
           run $py -m harness bench families --record --clean ${FAMILIES:+--families $FAMILIES} ;;
+    serve)  # issue 48: the engine's server batched and one at a time beside mlx_lm.server, 8 clients
+          run $py -m harness bench serve --model $full --slots 16 --clients 8 --requests 2 --tokens 32 \
+            --repeats 3 --record ;;
     launch) run $py scripts/probe_launch_cost.py ;;
     layer) run $py scripts/probe_layer_cost.py  # needs build
            run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py ;;  # MLX's CUDA graphs' share
