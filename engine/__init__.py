@@ -7,6 +7,8 @@
     eng.close()
 
 An engine's `model` is an mlx-lm model: mlx-lm's own `stream_generate` runs on it too.
+`engine.plan("qwen3-30b-a3b-shape", [16e9], card=True)` says whether a model decodes within a
+memory budget, and with how many experts a layer, without loading or building it.
 """
 
 import os
@@ -14,7 +16,7 @@ import os
 # Titan never downloads: models are pinned and cached, or built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from .api import load  # noqa: E402
+from .api import load, plan  # noqa: E402
 from .config import EngineConfig, resources_dir  # noqa: E402
 from .runtime.engine import Engine  # noqa: E402
 from .runtime.loop import decode, max_abs_diff, summarize, time_split  # noqa: E402
@@ -24,6 +26,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "load",
+    "plan",
     "decode",
     "summarize",
     "time_split",

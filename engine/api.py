@@ -91,17 +91,41 @@ def load(model_id: str, config: EngineConfig | None = None, prefetcher=None, **o
     return eng
 
 
-def plan_memory(model, config: EngineConfig):
-    """The slots a memory budget holds, planned with the install that will run (installs.choose):
-    (memory.Plan, the install class)."""
+def plan_memory(model, config: EngineConfig, card: bool = False):
+    """The slots a memory budget holds, planned with the install that will run (installs.choose;
+    `card`: the one it would be on a CUDA card): (memory.Plan, the install class)."""
     top_k = top_k_of(model, moe_blocks(model)[0]) or 1
     tier = memory.host_tier_bytes(model)
-    install = installs.choose(config.install, tier)
+    install = installs.choose(config.install, tier, card=card)
     sizes = dict(context=config.context, readers=config.readers, staging_records=config.staging_records)
     plan = memory.plan(model, config.memory, top_k, install, **sizes)
     if plan.slots == plan.experts:  # every expert fits: the install for a full table, if that fits too
-        full = installs.choose(config.install, tier, full=True)
+        full = installs.choose(config.install, tier, full=True, card=card)
         again = memory.plan(model, config.memory, top_k, full, **sizes) if full is not install else plan
         if again.slots == again.experts:
             plan, install = again, full
     return plan, install
+
+
+def plan(model_id: str, budgets, config: EngineConfig | None = None, card: bool = False) -> dict:
+    """Whether a registered model decodes within each memory budget, and how: nothing is loaded
+    or built (its parameters' shapes only, engine.models.registry.skeleton), so a 26 GB model is
+    planned in a second on any machine. `card`: planned for a CUDA card (the install `auto`
+    chooses there), wherever this runs. Returns {"weights": its weights' bytes, "resident": the
+    bytes decoding with every expert in memory takes, "install": the install's name, "least": the
+    least budget it decodes in, "budgets": {budget: memory.Plan, or why it cannot hold the model}}."""
+    config = config or EngineConfig()
+    check(model_id, config)
+    model = registry.skeleton(model_id)
+    top_k = top_k_of(model, moe_blocks(model)[0]) or 1
+    install = installs.choose(config.install, memory.host_tier_bytes(model), card=card)
+    sizes = dict(context=config.context, readers=config.readers, staging_records=config.staging_records)
+    out = dict(weights=memory.weight_bytes(model), resident=memory.resident_bytes(model, config.context),
+               install=install.name,
+               least=memory.plan(model, 1 << 62, top_k, install, **sizes).least, budgets={})  # fmt: skip
+    for b in budgets:
+        try:
+            out["budgets"][b] = plan_memory(model, dataclasses.replace(config, memory=b, slots=None), card)[0]
+        except ValueError as e:
+            out["budgets"][b] = str(e)
+    return out

@@ -1,8 +1,9 @@
-"""Command line (`python -m engine`, or `titan`): {list,build,pin,store,decode,trace,fit,train,version} ...
+"""Command line (`python -m engine`, or `titan`): {list,plan,build,pin,store,decode,trace,fit,train,version} ...
 
 Every option is checked before anything loads: a bad value is an error naming the option."""
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from .arguments import (
 )
 from .config import EngineConfig, build_lock, resources_dir
 from .device import kind as device_kind
-from .memory import fmt
+from .memory import CARDS_GB, fmt
 from .models import embedded, registry, train
 from .models.anatomy import expert_params, moe_blocks, top_k_of
 from .predict import predictors, prompts
@@ -156,6 +157,26 @@ def cmd_list(a):
                 + ("built" if built else "not built")
             )
         print(f"{mid:24s} {spec['kind']:9s} {state}")
+
+
+def cmd_plan(a):
+    budgets = a.memory or [gb * 10**9 for gb in CARDS_GB]
+    cfg = EngineConfig(install=a.install, context=a.context)
+    out = api.plan(a.model, budgets, cfg, card=a.cuda)
+    if a.json:
+        rows = {fmt(b): (p if isinstance(p, str) else dataclasses.asdict(p)) for b, p in out["budgets"].items()}
+        print(json.dumps(dict(out, budgets=rows), indent=2))
+        return
+    where = "a CUDA card" if a.cuda else f"this machine ({device_kind()})"
+    print(f"{a.model} on {where}, {a.context} tokens of context: decoding with every expert in memory takes "
+          f"{fmt(out['resident'])}; the {out['install']} install decodes in {fmt(out['least'])} and up")  # fmt: skip
+    for b, p in out["budgets"].items():
+        if isinstance(p, str):
+            print(f"  {fmt(b):>9s}  does not fit (at least {fmt(out['least'])})")
+        else:
+            share = "every expert" if p.slots == p.experts else f"{100 * p.slots / p.experts:.0f} % of them"
+            print(f"  {fmt(b):>9s}  {p.slots:4d} of {p.experts} experts a layer ({share}), {p.install} install, "
+                  f"{fmt(p.total)} planned")  # fmt: skip
 
 
 def cmd_build(a):
@@ -381,6 +402,19 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="the registered models and whether they are built")
     p.set_defaults(fn=cmd_list)
+
+    p = sub.add_parser(
+        "plan", help="whether a model decodes within memory budgets (a card's memory) and how, without loading it"
+    )
+    p.add_argument("model")
+    p.add_argument("--memory", type=memory_size, nargs="+", default=None, metavar="SIZE",
+                   help=f"budgets to plan (default: cards of {', '.join(map(str, CARDS_GB))} GB)")  # fmt: skip
+    p.add_argument("--context", type=positive, default=EngineConfig.context, help="tokens of KV cache to hold")
+    p.add_argument("--install", choices=installs.CHOICES, default="auto", help="the install to plan for")
+    p.add_argument("--cuda", action="store_true",
+                   help="plan for a CUDA card, from any machine (where auto chooses the device install)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("build", help="build an embedded model (deterministic from its spec and seed)")
     p.add_argument("model")

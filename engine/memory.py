@@ -17,6 +17,9 @@ from mlx.utils import tree_flatten
 
 from .models.anatomy import expert_params, moe_blocks
 
+# The memory of the cards people decode on, in GB (a plan for a card: `python -m engine plan --cuda`)
+CARDS_GB = (8, 12, 16, 24, 32, 48, 80)
+
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
@@ -105,6 +108,23 @@ def host_tier_bytes(model) -> int:
     return experts * (-(-expert_bytes // 4096) * 4096)
 
 
+def _margin(weights: int, kv: int) -> int:
+    return max(2 << 20, (weights + kv) // 10)  # activations and MLX's temporaries
+
+
+def weight_bytes(model) -> int:
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
+def resident_bytes(model, context: int = 4096) -> int:
+    """What decoding with every expert in memory takes (mlx-lm's own model, no engine): all the
+    weights, the KV cache for `context` tokens and the same margin a plan keeps."""
+    total = weight_bytes(model)
+    kv = kv_cache_bytes(model, context)
+    experts = sum(a.nbytes for b in moe_blocks(model) for _, a in expert_params(b.switch))
+    return total + kv + _margin(total - experts, kv)
+
+
 def plan(model, budget: int, top_k: int, install, context: int = 4096, readers: int = 4,
          staging_records: int = 64) -> Plan:  # fmt: skip
     """The largest S, the same in every MoE layer, whose engine fits in `budget` bytes with
@@ -121,10 +141,12 @@ def plan(model, budget: int, top_k: int, install, context: int = 4096, readers: 
     record = -(-expert_bytes // 4096) * 4096
     buffers = install.buffer_bytes(record, readers, staging_records)
     area = install.area_bytes(experts, expert_bytes)
-    margin = max(2 << 20, (weights + kv) // 10)  # activations and MLX's temporaries
+    margin = _margin(weights, kv)
     fixed = weights + kv + buffers + margin
     room = budget - fixed - area
     slots = min(experts, room // (len(blocks) * expert_bytes)) if room > 0 else 0
+    if budget - fixed >= experts * len(blocks) * expert_bytes:  # every expert fits, and then needs no area
+        slots = experts
     need = fixed + area + top_k * len(blocks) * expert_bytes
     if slots == experts:  # every expert resident: no many-rows call, no area
         area = 0

@@ -51,7 +51,7 @@ def model_of(a) -> str:
 
 def add_args(p):
     p.add_argument(
-        "which", choices=["throughput", "miss", "install", "prefetch", "serve", "prefill", "batch", "families"]
+        "which", choices=["throughput", "miss", "install", "prefetch", "serve", "prefill", "batch", "families", "plan"]
     )
     p.add_argument(
         "--model",
@@ -160,8 +160,9 @@ def add_args(p):
         "--budgets",
         type=memory_size,
         nargs="*",
-        default=[8 * 10**9, 16 * 10**9, 24 * 10**9],
-        help="families: memory budgets (a card's memory) to decode each family at",
+        default=None,
+        help="families: memory budgets (a card's memory) to decode each family at (default: 8, 16 and 24 GB); "
+        "plan: the budgets to plan each family for (default: cards of 8 to 80 GB)",
     )
     p.add_argument(
         "--families",
@@ -754,21 +755,23 @@ def main(a):
     check_args(a)
     started = provenance.utc_now()
     benches = {"throughput": throughput, "miss": miss, "install": install, "prefetch": prefetch_bench, "serve": serve,
-               "prefill": manyrows.prefill, "batch": manyrows.batch, "families": families.families}  # fmt: skip
+               "prefill": manyrows.prefill, "batch": manyrows.batch, "families": families.families,
+               "plan": families.planned}  # fmt: skip
     out = benches[a.which](a)
     if out is None:  # bench families over several families: each recorded in a process of its own
         return
     if a.record:
         cfg = {k: v for k, v in vars(a).items() if k not in ("fn", "record")}
+        rows = out if isinstance(out, list) else [out]  # bench plan: one result a family
         path = rawlog.write_run(
             "bench",
             a.which,
-            [out],
+            rows,
             config=cfg,
             seed=None,
             started=started,
             command=["python", "-m", "harness", *sys.argv[1:]],
-            model=out.get("model"),
+            model=rows[0].get("model") if len(rows) == 1 else None,
             revision=None,
         )
         print(f"raw record: {path}")

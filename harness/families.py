@@ -28,10 +28,9 @@ import time
 
 import mlx.core as mx
 
-from engine import EngineConfig, device, load, memory
+from engine import EngineConfig, device, load, memory, plan
 from engine.config import resources_dir
 from engine.models import registry
-from engine.runtime import installs
 from engine.runtime.engine import open_store
 from engine.runtime.loop import call_split, decode, time_split, totals
 from engine.runtime.store import aligned_empty
@@ -40,6 +39,7 @@ from . import manyrows, provenance, rawlog, records
 from .report.tables.common import paired
 
 PINNED_FRACTION = 0.25
+BUDGETS_GB = (8, 16, 24)  # the cards issue 49 names: --memory budgets each family decodes at
 BUS_BYTES = 256 << 20  # what one bandwidth sample moves
 
 
@@ -128,15 +128,15 @@ def measure(a, mid: str) -> dict:
     build_s = time.perf_counter() - t0
     context = registry.context_of(mid)
     prompt_tokens = min(a.prompt_tokens or 2048, context - a.tokens - 1)
-    configs, skipped = configurations(mid, a.fractions, a.budgets)
+    budgets = [gb * 10**9 for gb in BUDGETS_GB] if a.budgets is None else a.budgets
+    configs, skipped = configurations(mid, a.fractions, budgets)
     model, tok, _, path = registry.load(mid, lazy=True)
     t0 = time.perf_counter()
     store = open_store(mid, model, path)  # built here if absent
     store_s = time.perf_counter() - t0
     bus = bus_gb_s(store)
     store.close()
-    tier = memory.host_tier_bytes(model)
-    least = memory.plan(model, 1 << 60, registry.shape(mid)["top_k"], installs.choose("auto", tier)).least
+    least = plan(mid, [])["least"]
     del model
     ids = manyrows.long_ids(tok, prompt_tokens, a.set)
     base = mx.get_active_memory()
@@ -235,6 +235,30 @@ def show(out: dict):
         print(f"  {k:12s} not measured: {why}")
 
 
+def planned(a) -> list:
+    """`bench plan`: each family's memory plan for a CUDA card of each `--budgets` (default: the
+    cards of engine.memory.CARDS_GB), from its parameters' shapes alone (nothing is built, any
+    machine, seconds): will it fit a card, and with how many of each layer's experts. One result
+    a family."""
+    budgets = a.budgets or [gb * 10**9 for gb in memory.CARDS_GB]
+    out = []
+    for mid in a.families or default_models():
+        p = plan(mid, budgets, card=True)
+        cards = {}
+        for b, q in p["budgets"].items():
+            fits = isinstance(q, memory.Plan)
+            cards[f"{b / 1e9:g} GB"] = (dict(budget=b, slots=q.slots, install=q.install, planned_bytes=q.total)
+                                        if fits else dict(budget=b, refused=q))  # fmt: skip
+        out.append(dict(bench="plan", model=mid, mirrors=registry.get_spec(mid).get("mirrors"),
+                        shape=registry.shape(mid), weights_bytes=p["weights"], resident_bytes=p["resident"],
+                        install=p["install"], least_budget_bytes=p["least"], context=EngineConfig.context,
+                        cards=cards))  # fmt: skip
+        held = ", ".join(f"{k} {c.get('slots', '-')}" for k, c in cards.items())
+        print(f"{mid}: resident {memory.fmt(p['resident'])}, the {p['install']} install from "
+              f"{memory.fmt(p['least'])}; experts a layer: {held}")  # fmt: skip
+    return out
+
+
 def recorded(mid: str) -> str | None:
     """The record of `mid` this commit already has from this machine and device, if any."""
     here = (mid, provenance.git_state()["commit"], provenance.host_alias(), device.kind())
@@ -260,7 +284,8 @@ def families(a):
         show(out)
         return out
     passed = ["--tokens", str(a.tokens), "--repeats", str(a.repeats), "--set", a.set,
-              "--fractions", *map(str, a.fractions), "--budgets", *map(str, a.budgets)]  # fmt: skip
+              "--fractions", *map(str, a.fractions)]  # fmt: skip
+    passed += ["--budgets", *map(str, a.budgets)] if a.budgets is not None else []
     passed += ["--prompt-tokens", str(a.prompt_tokens)] if a.prompt_tokens else []
     passed += ["--record"] if a.record else []
     passed += ["--clean"] if a.clean else []

@@ -849,6 +849,30 @@ def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compar
     assert "tokens DIFFER" not in capsys.readouterr().out
 
 
+def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it(tmp_path):
+    """`bench plan --record` plans families for CUDA cards from their shapes (nothing built, one
+    record, a result a family), and the README's "will it fit your card" table is read from it:
+    a card that cannot hold a family says no, one that holds every expert says all."""
+    env = dict(os.environ, TITAN_RESOURCES=str(tmp_path / "res"), TITAN_RAW=str(tmp_path / "raw"))
+    cmd = [sys.executable, "-m", "harness", "bench", "plan", "--families", "mixtral-8x7b-shape", "qwen3moe-tiny",
+           "--budgets", "12MB", "16GB", "--record"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (tmp_path / "res" / "models").exists()
+    recs = records.read([tmp_path / "raw" / "bench" / "plan"])
+    assert [rec["result"]["model"] for rec in recs] == ["mixtral-8x7b-shape", "qwen3moe-tiny"]
+    mixtral = recs[0]["result"]["cards"]
+    assert "refused" in mixtral["0.012 GB"] and 2 <= mixtral["16 GB"]["slots"] < 8
+
+    from harness.report import docblocks
+
+    table = docblocks.families_plan(bench_tables.bench_table(recs))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    assert table.splitlines()[0].endswith("| 0.012 GB | 16 GB |")
+    assert rows["`mixtral-8x7b-shape`"][-2:] == ["no", f"{mixtral['16 GB']['slots']} of 8"]
+    assert rows["`qwen3moe-tiny`"][-1] == "all"
+
+
 def test_bench_families_measures_a_family_beside_resident_records_it_once_and_reads_it_into_the_tables(tmp_path):
     """`bench families` on the CPU, as a sweep of one family (each in its own process): built in
     resources of its own, every configuration against resident in the same repeat (a fraction, a

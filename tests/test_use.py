@@ -2,6 +2,7 @@
 memory budget instead of a slot count, the command line (the server: tests/test_serve.py)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -105,9 +106,10 @@ def test_sizes_parse():
         parse_size("8 parsecs")
 
 
-# From 8MB: beside the many-rows area (1.8 MB; on a CUDA GPU the device install's two, 3.5 MB),
-# the weights, the KV cache and the margin (2.4 MB), top-k slots in each layer.
-@pytest.mark.parametrize("budget", ["8MB", "9MB"])
+# From 7MB: beside the many-rows area (1.8 MB; on a CUDA GPU the device install's two, 3.5 MB),
+# the weights, the KV cache and the margin (2.4 MB), top-k slots in each layer; from 7.9 MB every
+# expert fits (5.3 MB) and no area is kept.
+@pytest.mark.parametrize("budget", ["7MB", "7.5MB"])
 def test_the_memory_budget_chooses_slots_and_the_peak_stays_under_it(budget):
     r = run("decode", "--model", MODEL, "--memory", budget, "--context", "64", "--tokens", "16", "--json")
     assert r.returncode == 0, r.stderr
@@ -121,7 +123,7 @@ def test_a_bigger_budget_gives_more_slots_up_to_every_expert():
     model, _, _ = load_reference(MODEL)
     small = plan(model, parse_size("5MB"), 8, InplaceInstall, 64)
     big, huge = (
-        plan(model, parse_size("8MB"), 8, InplaceInstall, 64),
+        plan(model, parse_size("7MB"), 8, InplaceInstall, 64),
         plan(model, parse_size("1GB"), 8, InplaceInstall, 64),
     )
     assert 8 <= small.slots < big.slots < huge.slots == 128
@@ -132,6 +134,60 @@ def test_a_budget_too_small_is_refused_naming_what_it_needs():
     r = run("decode", "--model", MODEL, "--memory", "1MB", "--context", "64", "--tokens", "2")
     assert r.returncode == 2
     assert "--memory 1.0 MB cannot hold this model" in r.stderr and "top-8 experts" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("model", [MODEL, "tiny-gpt-oss-mxfp4", "tiny-deepseek-v2"])
+def test_a_plan_reads_the_shapes_a_load_has_without_loading(model):
+    """engine.plan reads a model's parameters from mlx-lm's classes alone (registry.skeleton):
+    every name, shape and dtype is the loaded model's (quantized layers, microscaling, shared
+    experts), so a budget's plan is the one `--memory` makes on the loaded model."""
+    from mlx.utils import tree_flatten
+
+    from engine import EngineConfig, api
+    from engine.models import registry
+
+    loaded = registry.load(model, lazy=True)[0]
+    shapes = [{k: (v.shape, v.dtype) for k, v in tree_flatten(m.parameters())}
+              for m in (registry.skeleton(model), loaded)]  # fmt: skip
+    assert shapes[0] == shapes[1]
+    budget = parse_size("12MB")
+    planned = api.plan(model, [budget])["budgets"][budget]
+    assert planned == api.plan_memory(loaded, EngineConfig(memory=budget))[0]
+
+
+def test_a_budget_that_holds_every_expert_plans_them_all_and_no_area():
+    """Where the fixed part and every expert fit, every expert is resident and no many-rows area is
+    kept (it serves only a layer whose rows need more experts than it holds)."""
+    from engine.runtime.installs import DeviceInstall
+
+    model, _, _ = load_reference(MODEL)
+    p = plan(model, parse_size("7MB"), 8, DeviceInstall, 64)
+    every = p.weights + p.kv_cache + p.buffers + p.margin + p.experts * p.moe_layers * p.expert_bytes
+    full = plan(model, every, 8, DeviceInstall, 64)
+    assert full.slots == full.experts and full.area == 0 and full.total == every
+    assert plan(model, every - 1, 8, DeviceInstall, 64).slots < full.experts
+
+
+def test_plan_says_which_cards_hold_a_model_without_building_it(tmp_path):
+    """`engine plan MODEL --cuda`: a 26 GB family planned for CUDA cards on this CPU, in resources
+    where nothing is built, and nothing is built: a card too small is said so with the least budget,
+    the others with the experts a layer they hold and the device install that auto chooses there."""
+    env = dict(os.environ, TITAN_RESOURCES=str(tmp_path))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, cwd=ROOT,
+                              env=env, timeout=300)  # fmt: skip
+
+    r = run("plan", "mixtral-8x7b-shape", "--cuda", "--memory", "8GB", "16GB", "40GB", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    small, mid, big = (out["budgets"][k] for k in ("8.00 GB", "16.00 GB", "40.00 GB"))
+    assert isinstance(small, str) and "cannot hold this model" in small and out["least"] > 8e9
+    assert 2 <= mid["slots"] < 8 and mid["install"] == "device" and mid["area"] > 0
+    assert big["slots"] == 8 and out["resident"] > 26e9
+    assert not (tmp_path / "models").exists()  # nothing built
+    text = run("plan", "mixtral-8x7b-shape", "--cuda", "--memory", "8GB", "16GB").stdout
+    assert "does not fit" in text and f"{mid['slots']} of 8 experts a layer" in text
 
 
 def test_a_listing_piped_into_a_reader_that_stops_early_ends_quietly():
@@ -154,8 +210,8 @@ def test_the_many_rows_area_counts_in_the_plan_of_the_install_that_runs():
 
     model, _, _ = load_reference(MODEL)
     host, dev = (
-        plan(model, parse_size("8MB"), 8, InplaceInstall, 64),
-        plan(model, parse_size("8MB"), 8, DeviceInstall, 64),
+        plan(model, parse_size("7MB"), 8, InplaceInstall, 64),
+        plan(model, parse_size("7MB"), 8, DeviceInstall, 64),
     )
     assert dev.area == 2 * host.area == 2 * host.experts * host.expert_bytes
     assert dev.slots < host.slots and "many-rows area" in dev.describe() and dev.install == "device"

@@ -98,16 +98,33 @@ def spec_digest(spec) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def _lazy(config, mode="affine", dtype=None):
+    """mlx-lm's model of `config`, quantized as a build quantizes it, every parameter lazy (nothing
+    is computed or allocated, whatever its size): (model, its quantized config). `dtype`: the
+    floats' dtype, as the build writes them (None: the class's own)."""
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
+        if mode == "affine":
+            return quantize_model(model, config, group_size=64, bits=4)
+        # the mode's own group size and bits (mxfp4: 32, 4)
+        return quantize_model(model, config, group_size=None, bits=None, mode=mode)
+
+
+def skeleton(spec):
+    """The model a build of `spec` writes, without its weights: its parameters' shapes and dtypes
+    as a load of the built folder has them, none computed. What a memory plan reads
+    (engine.memory), in seconds, for a model of any size, built or not."""
+    config = hf_config(spec)
+    return _lazy(config, spec.get("quantization_mode", "affine"), spec["dtype"])[0]
+
+
 def _shapes(config, mode="affine"):
     """Parameter names, shapes, dtypes and quantization of mlx-lm's model, built lazily."""
 
-    model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
-        if mode == "affine":
-            model, qconfig = quantize_model(model, config, group_size=64, bits=4)
-        else:  # the mode's own group size and bits (mxfp4: 32, 4)
-            model, qconfig = quantize_model(model, config, group_size=None, bits=None, mode=mode)
+    model, qconfig = _lazy(config, mode)
     quant = {}
     for name, mod in model.named_modules():
         if "scales" in mod and "weight" in mod:

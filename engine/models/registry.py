@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jsonschema
 import mlx_lm
+import mlx_lm.utils
 import yaml
 from huggingface_hub import constants
 
@@ -245,6 +246,16 @@ def load(model_id: str, lazy: bool = False):
     path = model_dir(model_id)
     model, tokenizer = mlx_lm.load(str(path), lazy=lazy)
     return model, tokenizer, get_spec(model_id), path
+
+
+def skeleton(model_id: str):
+    """mlx-lm's model of a registered model with no weight computed or read: an embedded model's
+    from its spec (built or not, any size), a real one's from its local files, lazily. Its
+    parameters' shapes and dtypes are the loaded model's: what a memory plan needs."""
+    spec = get_spec(model_id)
+    if spec["kind"] == "real":
+        return mlx_lm.utils.load_model(real_model_dir(spec), lazy=True)[0]
+    return embedded.skeleton(spec)
 
 
 def cached_revision(repo: str) -> str:

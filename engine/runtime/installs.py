@@ -360,7 +360,7 @@ INSTALLS = {c.name: c for c in (InplaceInstall, CopyInstall, PinnedInstall, Devi
 CHOICES = ("auto", *INSTALLS)  # what --install takes
 
 
-def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, device_kind=None):
+def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, card: bool = False):
     """The install class that runs for `--install asked`, chosen once where an engine is built:
 
     - `auto`: `inplace` on the CPU; on a CUDA GPU `device`, or `pinned` where every expert is
@@ -370,28 +370,37 @@ def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool
       operations, the same bookkeeping, tested there;
     - `inplace` on a GPU is `pinned` (a host view of a slot table cannot be shared with the device),
       `pinned` on the CPU is `inplace`, and `pinned` where it cannot run is `copy`.
-    A fallback is said on stderr. `device_ok` False: a host install (a multi-node run's tables)."""
-    gpu = (device_kind or backend.kind()) == "gpu"
+    A fallback is said on stderr. `device_ok` False: a host install (a multi-node run's tables).
+    `card`: the choice on a CUDA card whose pinned path runs and whose host holds the host tier,
+    whatever this machine is (a plan for a card: engine.api.plan_card)."""
+    gpu = card or backend.kind() == "gpu"
+
+    def pinned_unavailable():
+        return None if card else backend.pinned_unavailable()
+
+    def tier_fits():
+        return card or hosttier.fits(host_tier_bytes)
+
     if asked not in CHOICES:
         raise ValueError(f"no install {asked!r} (one of {', '.join(CHOICES)})")
     tier = f"its host tier ({host_tier_bytes / 1e9:.2f} GB) does not fit in this machine's available memory"
     if asked == "auto":
         if not gpu:
             return InplaceInstall
-        why = backend.pinned_unavailable()
+        why = pinned_unavailable()
         if why:
             backend.say(f"install auto: copy, since the pinned path cannot run: {why}")
             return CopyInstall
         if full or not device_ok:
             return PinnedInstall
-        if not hosttier.fits(host_tier_bytes):
+        if not tier_fits():
             backend.say(f"install auto: pinned, not device: {tier}")
             return PinnedInstall
         return DeviceInstall
     if asked == "device":
         if not device_ok:
             raise ValueError("--install device: this path needs a host install (inplace, copy or pinned)")
-        if not hosttier.fits(host_tier_bytes):
+        if not tier_fits():
             raise ValueError(f"--install device cannot run here: {tier}")
         return DeviceInstall
     if asked == "inplace" and gpu:
@@ -399,12 +408,12 @@ def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool
         # threads would then write into pages the device is reading. The suite's one unexplained
         # device fault of 2026-12-04 was on this path (docs/gpu.md).
         backend.say("install inplace takes host views of the slot tables, which a GPU cannot share; using pinned")
-        return choose("pinned", host_tier_bytes, full, device_ok, device_kind)
+        return choose("pinned", host_tier_bytes, full, device_ok, card)
     if asked == "pinned":
         if not gpu:
             backend.say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")
             return InplaceInstall
-        why = backend.pinned_unavailable()
+        why = pinned_unavailable()
         if why:
             backend.say(f"install pinned cannot run: {why}; using copy")
             return CopyInstall

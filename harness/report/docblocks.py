@@ -367,6 +367,32 @@ def families_table(bench: pd.DataFrame) -> str:
     return text
 
 
+def families_plan(bench: pd.DataFrame) -> str:
+    """The README's "will it fit your card" table: each family's latest `bench plan` (a plan for a
+    CUDA card, the same from any machine): its weights, what decoding with every expert in memory
+    takes, the least budget the device install decodes in, and each card's planned experts a layer."""
+    b = bench[bench["bench"] == "plan"] if len(bench) else bench
+    if not len(b):
+        return "No `bench plan` is recorded yet: `python -m harness bench plan --record` plans each family for cards."
+    runs = []
+    for model, g in b.groupby("model", sort=False):
+        run = one_run(g, "slots[")
+        runs.append((model, dict(zip(run["figure"], run["value"]))))
+    runs.sort(key=lambda r: (r[1]["resident_bytes"], r[0]))
+    cards = sorted({f[len("slots[") : -1] for _, fig in runs for f in fig if f.startswith("slots[")},
+                   key=lambda c: float(c.split()[0]))  # fmt: skip
+    out = ["| family | weights | every expert in memory | least budget | " + " | ".join(cards) + " |",
+           "| --- " * (4 + len(cards)) + "|"]  # fmt: skip
+    for model, fig in runs:
+        E, cells = int(fig["experts"]), []
+        for c in cards:
+            S = fig.get(f"slots[{c}]")
+            cells.append("" if S is None else "no" if S == 0 else "all" if S >= E else f"{int(S)} of {E}")
+        out.append(f"| `{model}` | {_gb(fig['weights_bytes'])} | {_gb(fig['resident_bytes'])} | "
+                   f"{_gb(fig['least_budget_bytes'])} | " + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(out)
+
+
 def families_detail(bench: pd.DataFrame) -> str:
     """docs/gpu.md's tables: every configuration of each family's latest run, against resident in
     the same repeat, its bus-bound limit, and issue 49's targets on a GPU."""
@@ -645,6 +671,7 @@ def build(tables: dict, root=".", raw=None, by_file=None) -> list:
         blocks["many-rows-all"] = many_rows(tables["bench"])
         blocks["many-rows-tables"] = many_rows_tables(tables["bench"])
         blocks["families"] = families_table(tables["bench"])
+        blocks["families-plan"] = families_plan(tables["bench"])
         blocks["families-all"] = families_detail(tables["bench"])
     if "prefetch_online" in tables:
         blocks["prediction-pays-full"] = prediction_pays(tables["prefetch_online"], full=True)

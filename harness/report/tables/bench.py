@@ -109,6 +109,20 @@ def families_figures(res: dict) -> dict:
     return figs
 
 
+def plan_figures(res: dict) -> dict:
+    """A `bench plan` result's figures: a family's weights, what resident decoding takes, the least
+    budget its install decodes in, and at each card's budget the slots a layer planned (0 where
+    the budget cannot hold it) and the bytes planned."""
+    figs = dict(weights_bytes=res["weights_bytes"], resident_bytes=res["resident_bytes"],
+                least_budget_bytes=res["least_budget_bytes"], experts=res["shape"]["experts"],
+                layers=res["shape"]["layers"], context=res["context"])  # fmt: skip
+    for card, c in res["cards"].items():
+        figs[f"slots[{card}]"] = c.get("slots", 0)
+        if "planned_bytes" in c:
+            figs[f"planned_bytes[{card}]"] = c["planned_bytes"]
+    return figs
+
+
 def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
@@ -175,6 +189,8 @@ def bench_table(recs):
             figs = many_rows_figures(res)
         elif base["bench"] == "families":
             figs = families_figures(res)
+        elif base["bench"] == "plan":
+            figs = plan_figures(res)
         elif base["bench"] == "serve":
             base["slots"] = res["slots"]
             for k, v in res["servers"].items():
