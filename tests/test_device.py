@@ -41,6 +41,9 @@ def test_the_install_is_chosen_per_device_in_one_place(monkeypatch):
     assert chosen("inplace", "gpu") == "copy"
     with pytest.raises(ValueError, match="no install 'fast'"):
         installs.choose("fast", 1)
+    # A plan for a CUDA card, made on any machine: the choice there, whatever this machine's is
+    assert installs.choose("auto", 10**15, card=True) is installs.DeviceInstall
+    assert installs.choose("auto", 10**15, full=True, card=True) is installs.PinnedInstall
 
 
 def test_auto_steps_back_to_pinned_where_the_host_tier_does_not_fit_and_says_so(monkeypatch, capsys):

@@ -360,7 +360,8 @@ INSTALLS = {c.name: c for c in (InplaceInstall, CopyInstall, PinnedInstall, Devi
 CHOICES = ("auto", *INSTALLS)  # what --install takes
 
 
-def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, card: bool = False):
+def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, device_kind=None,
+           card: bool = False):
     """The install class that runs for `--install asked`, chosen once where an engine is built:
 
     - `auto`: `inplace` on the CPU; on a CUDA GPU `device`, or `pinned` where every expert is
@@ -373,7 +374,7 @@ def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool
     A fallback is said on stderr. `device_ok` False: a host install (a multi-node run's tables).
     `card`: the choice on a CUDA card whose pinned path runs and whose host holds the host tier,
     whatever this machine is (a plan for a card: engine.api.plan_card)."""
-    gpu = card or backend.kind() == "gpu"
+    gpu = card or (device_kind or backend.kind()) == "gpu"
 
     def pinned_unavailable():
         return None if card else backend.pinned_unavailable()
@@ -408,7 +409,7 @@ def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool
         # threads would then write into pages the device is reading. The suite's one unexplained
         # device fault of 2026-12-04 was on this path (docs/gpu.md).
         backend.say("install inplace takes host views of the slot tables, which a GPU cannot share; using pinned")
-        return choose("pinned", host_tier_bytes, full, device_ok, card)
+        return choose("pinned", host_tier_bytes, full, device_ok, device_kind, card)
     if asked == "pinned":
         if not gpu:
             backend.say("install pinned needs MLX's CUDA backend (MLX computes on the CPU here); using inplace")
