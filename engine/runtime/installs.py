@@ -360,8 +360,9 @@ INSTALLS = {c.name: c for c in (InplaceInstall, CopyInstall, PinnedInstall, Devi
 CHOICES = ("auto", *INSTALLS)  # what --install takes
 
 
-def choose(asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, device_kind=None,
-           card: bool = False):
+def choose(
+    asked: str, host_tier_bytes: int, full: bool = False, device_ok: bool = True, device_kind=None, card: bool = False
+):
     """The install class that runs for `--install asked`, chosen once where an engine is built:
 
     - `auto`: `inplace` on the CPU; on a CUDA GPU `device`, or `pinned` where every expert is
