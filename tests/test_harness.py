@@ -866,11 +866,21 @@ def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it
 
     from harness.report import docblocks
 
-    table = docblocks.families_plan(bench_tables.bench_table(recs))
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    bench = bench_tables.bench_table(recs)
+
+    def rows(table):
+        return {
+            line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]
+        }
+
+    table = docblocks.families_plan(bench)
     assert table.splitlines()[0].endswith("| 0.012 GB | 16 GB |")
-    assert rows["`mixtral-8x7b-shape`"][-2:] == ["no", f"{mixtral['16 GB']['slots']} of 8"]
-    assert rows["`qwen3moe-tiny`"][-1] == "all"
+    assert rows(table)["`mixtral-8x7b-shape`"][-2:] == ["no", f"{mixtral['16 GB']['slots']} of 8"]
+    assert rows(table)["`qwen3moe-tiny`"][-1] == "all"
+    readme = rows(docblocks.families_table(bench))  # nothing measured: the plan's columns, then "not yet"
+    assert readme["`mixtral-8x7b-shape`"][-3:] == [f"{mixtral['16 GB']['slots']} of 8", "16 GB and up",
+                                                  "not yet"]  # fmt: skip
+    assert readme["`qwen3moe-tiny`"][-3:] == ["all", "16 GB and up", "not yet"]  # 12 MB: its KV cache
 
 
 def test_bench_families_measures_a_family_beside_resident_records_it_once_and_reads_it_into_the_tables(tmp_path):
@@ -904,9 +914,9 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     from harness.report import docblocks
 
     table = bench_tables.bench_table(recs)
-    row = docblocks.families_table(table)
-    assert "| `qwen3moe-tiny` |" in row and "| least budget |" in row
-    assert docblocks.families_table(table.iloc[:0]).startswith("No `bench families` is recorded yet")
+    row = docblocks.families_table(table)  # measured, no plan: its 12 MB budget is not a 16 GB card's
+    assert "| `qwen3moe-tiny` |" in row and "| least budget |" in row and "no 16 GB budget in its run" in row
+    assert docblocks.families_table(table.iloc[:0]).startswith("No `bench plan` or `bench families` is recorded yet")
     detail = docblocks.families_detail(table)
     assert "| 25% | 32 |" in detail and "= resident" in detail and "(target" not in detail  # targets: a GPU's
     figdir = tmp_path / "fig"

@@ -306,7 +306,6 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
 FAMILY_LIMIT_TARGET = 0.9
 FAMILY_RESIDENT_TARGET = {"qwen3-30b-a3b-shape": 0.88, "deepseek-v2-lite-shape": 0.88}
 FAMILY_MEMORY_TARGET = 0.35
-CARDS_GB = (8, 12, 16, 24, 32, 48, 80)  # the cards a family's least budget is read against
 FRACTIONS = ("12.5%", "25%", "50%")
 
 
@@ -321,6 +320,23 @@ def _family_runs(bench: pd.DataFrame) -> list:
     return out
 
 
+def _family_plans(bench: pd.DataFrame) -> dict:
+    """{model: {figure: value}} of each family's latest `bench plan` (a plan for a CUDA card, the
+    same from any machine), smallest resident first."""
+    b = bench[bench["bench"] == "plan"] if len(bench) else bench
+    plans = {}
+    for model, g in b.groupby("model", sort=False):
+        run = one_run(g, "slots[")
+        plans[model] = dict(zip(run["figure"], run["value"]))
+    return dict(sorted(plans.items(), key=lambda kv: (kv[1]["resident_bytes"], kv[0])))
+
+
+def _plan_cards(plans: dict) -> list:
+    """The cards the plans name, smallest first ("16 GB")."""
+    names = {f[len("slots[") : -1] for fig in plans.values() for f in fig if f.startswith("slots[")}
+    return sorted(names, key=lambda c: float(c.split()[0]))
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB"
 
@@ -332,35 +348,39 @@ def _card(fig: dict, gb: int) -> str | None:
 
 
 def families_table(bench: pd.DataFrame) -> str:
-    """The README's table: one row per family and machine (its latest `bench families` run):
-    resident's speed and memory, the least budget that decodes, the speed at a 16 GB card's budget
-    and at 25 % of each layer's experts, and the cards it fits; then which are bound by the bus."""
-    runs = _family_runs(bench)
-    if not runs:
-        return ("No `bench families` is recorded yet: `python -m harness bench families --record --clean` measures "
-                "each family on this machine, one at a time.")  # fmt: skip
-    head = ("| family | on | weights | resident | least budget | at a 16 GB budget | 25 % of experts "
-            "(its bus-bound limit) | cards that hold it |")  # fmt: skip
-    out = [head, "| --- " * 8 + "|"]
+    """The README's table, one row per family: its weights, what decoding with every expert in
+    memory takes, the least budget that decodes, the experts a layer a 16 GB card holds and the
+    cards that hold it (its `bench plan`), and the speed measured at a 16 GB budget against
+    resident on each machine that ran `bench families`; then which measured families the bus bounds."""
+    plans, runs = _family_plans(bench), _family_runs(bench)
+    if not plans and not runs:
+        return ("No `bench plan` or `bench families` is recorded yet: `python -m harness bench plan --record` plans "
+                "each family for cards, `bench families --record --clean` measures them on this machine.")  # fmt: skip
+    cards = _plan_cards(plans)
+    models = list(plans) + sorted({m for (_, _, m), *_ in runs} - set(plans))
+    out = ["| family | weights | resident | least budget | experts a layer, 16 GB | cards that hold it | at 16 GB |",
+           "| --- " * 7 + "|"]  # fmt: skip
     bound = []
-    for (device, chip, model), fig, _, _ in runs:
-        res = fig.get("tok_s[resident]")
-        resident = f"{res:.1f} tok/s, {_gb(fig['memory_bytes[resident]'])}" if res else "did not run"
-        card = _card(fig, 16)
-        at16 = f"{fig[f'tok_s[{card}]']:.1f} tok/s, {fig[f'x resident[{card}]']:.2f}×" if card else "does not fit"
-        q = "25%"
-        quarter = (f"{fig[f'x resident[{q}]']:.2f}× ({fig[f'limit x resident[{q}]']:.2f}×)"
-                   if f"x resident[{q}]" in fig else "")  # fmt: skip
-        least = fig["least_budget_bytes"]
-        cards = [c for c in CARDS_GB if c * 1e9 >= least]
-        fits = f"{cards[0]} GB and up" if cards else f"none up to {CARDS_GB[-1]} GB"
-        out.append(f"| `{model}` | {chip} ({device}) | {_gb(fig['weights_bytes'])} | {resident} | {_gb(least)} | "
-                   f"{at16} | {quarter} | {fits} |")  # fmt: skip
-        limits = {c: fig[f"limit x resident[{c}]"] for c in FRACTIONS if f"limit x resident[{c}]" in fig}
-        if limits and min(limits.values()) < 1:
-            worst = min(limits, key=limits.get)
-            bound.append(f"`{model}` on {chip} (at {worst} of its experts the bytes a token reads cap it at "
-                         f"{limits[worst]:.2f}× of resident)")  # fmt: skip
+    for model in models:
+        plan = plans.get(model, {})
+        measured = [(chip, fig) for (_, chip, m), fig, _, _ in runs if m == model]
+        some = plan or measured[0][1]
+        E, S = int(some["experts"]), plan.get("slots[16 GB]")
+        at16 = "" if S is None else "no" if S == 0 else "all" if S >= E else f"{int(S)} of {E}"
+        held = [c for c in cards if plan.get(f"slots[{c}]", 0) > 0]
+        speed = []
+        for chip, fig in measured:
+            card = _card(fig, 16)
+            speed.append(f"{chip}: " + (f"{fig[f'tok_s[{card}]']:.1f} tok/s, {fig[f'x resident[{card}]']:.2f}× resident"
+                                        if card else "no 16 GB budget in its run"))  # fmt: skip
+            limits = {c: fig[f"limit x resident[{c}]"] for c in FRACTIONS if f"limit x resident[{c}]" in fig}
+            if limits and min(limits.values()) < 1:
+                worst = min(limits, key=limits.get)
+                bound.append(f"`{model}` on {chip} (at {worst} of its experts the bytes a token reads cap it at "
+                             f"{limits[worst]:.2f}× of resident)")  # fmt: skip
+        resident = plan.get("resident_bytes") or max(fig["memory_bytes[resident]"] for _, fig in measured)
+        out.append(f"| `{model}` | {_gb(some['weights_bytes'])} | {_gb(resident)} | {_gb(some['least_budget_bytes'])} "
+                   f"| {at16} | {f'{held[0]} and up' if held else ''} | {'; '.join(speed) or 'not yet'} |")  # fmt: skip
     text = "\n".join(out)
     if bound:
         text += "\n\nBound by the bus: " + "; ".join(bound) + "."
@@ -368,22 +388,15 @@ def families_table(bench: pd.DataFrame) -> str:
 
 
 def families_plan(bench: pd.DataFrame) -> str:
-    """The README's "will it fit your card" table: each family's latest `bench plan` (a plan for a
-    CUDA card, the same from any machine): its weights, what decoding with every expert in memory
-    takes, the least budget the device install decodes in, and each card's planned experts a layer."""
-    b = bench[bench["bench"] == "plan"] if len(bench) else bench
-    if not len(b):
+    """docs/gpu.md's table of each family's latest `bench plan`: the experts a layer each card's
+    budget holds beside the rest of the model ("all": every expert in memory, "no": it cannot)."""
+    plans = _family_plans(bench)
+    if not plans:
         return "No `bench plan` is recorded yet: `python -m harness bench plan --record` plans each family for cards."
-    runs = []
-    for model, g in b.groupby("model", sort=False):
-        run = one_run(g, "slots[")
-        runs.append((model, dict(zip(run["figure"], run["value"]))))
-    runs.sort(key=lambda r: (r[1]["resident_bytes"], r[0]))
-    cards = sorted({f[len("slots[") : -1] for _, fig in runs for f in fig if f.startswith("slots[")},
-                   key=lambda c: float(c.split()[0]))  # fmt: skip
+    cards = _plan_cards(plans)
     out = ["| family | weights | every expert in memory | least budget | " + " | ".join(cards) + " |",
            "| --- " * (4 + len(cards)) + "|"]  # fmt: skip
-    for model, fig in runs:
+    for model, fig in plans.items():
         E, cells = int(fig["experts"]), []
         for c in cards:
             S = fig.get(f"slots[{c}]")
