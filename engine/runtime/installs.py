@@ -374,7 +374,7 @@ def choose(
       `pinned` on the CPU is `inplace`, and `pinned` where it cannot run is `copy`.
     A fallback is said on stderr. `device_ok` False: a host install (a multi-node run's tables).
     `card`: the choice on a CUDA card whose pinned path runs and whose host holds the host tier,
-    whatever this machine is (a plan for a card: engine.api.plan_card)."""
+    whatever this machine is (a plan for a card: engine.api.plan)."""
     gpu = card or (device_kind or backend.kind()) == "gpu"
 
     def pinned_unavailable():

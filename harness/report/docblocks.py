@@ -337,6 +337,11 @@ def _plan_cards(plans: dict) -> list:
     return sorted(names, key=lambda c: float(c.split()[0]))
 
 
+def _held(slots, experts: int) -> str:
+    """A plan's experts a layer at one card, as its tables write it."""
+    return "" if slots is None else "no" if slots == 0 else "all" if slots >= experts else f"{int(slots)} of {experts}"
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB"
 
@@ -365,8 +370,7 @@ def families_table(bench: pd.DataFrame) -> str:
         plan = plans.get(model, {})
         measured = [(chip, fig) for (_, chip, m), fig, _, _ in runs if m == model]
         some = plan or measured[0][1]
-        E, S = int(some["experts"]), plan.get("slots[16 GB]")
-        at16 = "" if S is None else "no" if S == 0 else "all" if S >= E else f"{int(S)} of {E}"
+        at16 = _held(plan.get("slots[16 GB]"), int(some["experts"]))
         held = [c for c in cards if plan.get(f"slots[{c}]", 0) > 0]
         speed = []
         for chip, fig in measured:
@@ -397,10 +401,7 @@ def families_plan(bench: pd.DataFrame) -> str:
     out = ["| family | weights | every expert in memory | least budget | " + " | ".join(cards) + " |",
            "| --- " * (4 + len(cards)) + "|"]  # fmt: skip
     for model, fig in plans.items():
-        E, cells = int(fig["experts"]), []
-        for c in cards:
-            S = fig.get(f"slots[{c}]")
-            cells.append("" if S is None else "no" if S == 0 else "all" if S >= E else f"{int(S)} of {E}")
+        cells = [_held(fig.get(f"slots[{c}]"), int(fig["experts"])) for c in cards]
         out.append(f"| `{model}` | {_gb(fig['weights_bytes'])} | {_gb(fig['resident_bytes'])} | "
                    f"{_gb(fig['least_budget_bytes'])} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(out)
