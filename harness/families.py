@@ -19,7 +19,6 @@ machine already hold is not measured again (resumable), and `--clean` removes a 
 store once its record is written (the H200's disk holds one family at a time). Speed is reported,
 never asserted."""
 
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,14 +32,13 @@ from engine.config import resources_dir
 from engine.models import registry
 from engine.runtime.engine import open_store
 from engine.runtime.loop import call_split, decode, time_split, totals
-from engine.runtime.store import aligned_empty
 
 from . import manyrows, provenance, rawlog, records
+from .bus import bus_gb_s
 from .report.tables.common import paired
 
 PINNED_FRACTION = 0.25
 BUDGETS_GB = (8, 16, 24)  # the cards issue 49 names: --memory budgets each family decodes at
-BUS_BYTES = 256 << 20  # what one bandwidth sample moves
 
 
 def default_models() -> list:
@@ -69,42 +67,6 @@ def configurations(mid: str, fractions, budgets) -> tuple[dict, dict]:
     else:
         skipped[name] = why
     return out, skipped
-
-
-def bus_gb_s(store) -> dict:
-    """The bandwidth a miss crosses, measured now: on a CUDA GPU a `cudaMemcpy` from pinned host
-    memory to the device; on the CPU a `preadv` of a store file from the page cache into memory
-    (where the CPU's installs read). Median GB/s of 7 samples of up to 256 MiB."""
-    layer = store.path / store.layers[0]["file"]
-    n = min(BUS_BYTES, os.path.getsize(layer) // 4096 * 4096)
-    buf = aligned_empty(n)
-    samples = []
-    if device.pinned_unavailable() is None:
-        rt = device.cuda_runtime()
-        reg = device.Registration(buf, rt)
-        dev = rt.malloc(n)
-        try:
-            for _ in range(8):
-                t0 = time.perf_counter()
-                rt.memcpy_h2d(dev, buf.ctypes.data, n)
-                rt.synchronize()
-                samples.append(time.perf_counter() - t0)
-        finally:
-            rt.free(dev)
-            reg.release()
-        how = "cudaMemcpy from pinned host memory"
-    else:
-        fd = os.open(layer, os.O_RDONLY)
-        try:
-            for _ in range(8):
-                t0 = time.perf_counter()
-                os.preadv(fd, [buf], 0)
-                samples.append(time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-        how = "preadv of a store file from the page cache"
-    samples = samples[1:]  # the first touches the pages
-    return dict(gb_s=n / statistics.median(samples) / 1e9, bytes=n, samples=len(samples), how=how)
 
 
 def _engine_loop(model, ids, tokens: int, layers: int) -> dict:

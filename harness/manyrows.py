@@ -4,7 +4,11 @@ resident decoding (the model's own mlx-lm model) in the same repeat, interleaved
 - `prefill`: time to first token through mlx-lm's own `generate_step` for prompts of each
   `--lengths` (capped at the model's context), the decode tok/s after the longest prompt, and
   what each configuration held at its peak (its model's bytes and the most a prompt added);
-- `batch`: the aggregate generation tok/s of mlx-lm's `batch_generate` at each `--batches` B.
+- `batch`: the aggregate generation tok/s of mlx-lm's `batch_generate` at each `--batches` B, and
+  the bus's limit at each B: resident's time a step over the larger of that time and the bus's
+  time for every expert the step's rows can name (min(E, B x top-k) a layer), read once, at the
+  bandwidth measured in the same run (`harness.bus`). Where B x top-k reaches E, that is every
+  expert of every layer a step: the bytes the many-rows path cannot read less of.
 
 A configuration is S (`--slots`) x install (`--installs`) x, for the device install, whether a
 prompt copies the next layer's area during this one's compute (`--area-ahead`). Every repeat runs
@@ -24,6 +28,7 @@ from engine.models import registry
 from engine.predict import prompts
 from engine.runtime.loop import model_bytes
 
+from .bus import bus_gb_s
 from .report.tables.common import paired
 
 AHEAD = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
@@ -164,6 +169,8 @@ def batch(a):
                     tps[k][b].append(resp.stats.generation_tps)
                     ids[k].setdefault(b, resp.token_ids)
         installs = {k: e.install.name for k, e in engines.items()}
+        store = next(iter(engines.values())).store  # every configuration reads the same store
+        bus, experts, expert_bytes = bus_gb_s(store), [n["experts"] for n in store.layers], store.expert_bytes
     finally:
         for e in engines.values():
             e.close()
@@ -180,6 +187,8 @@ def batch(a):
         x_resident={k: {str(b): paired(v, res[b]) for b, v in per.items()} for k, per in tps.items()},
         tokens_match={k: all(ids[k][b] == ids["resident"][b] for b in batches) for k in names},
     )
+    top_k = registry.shape(mid)["top_k"]
+    out.update(bus_limit(bus, experts, expert_bytes, top_k, {b: statistics.median(res[b]) for b in batches}))
     print(f"{mid}: batch_generate aggregate tok/s, {a.tokens} tokens a sequence, {a.repeats} interleaved repeats")
     for k, per in out["tok_s"].items():
         parts = [
@@ -188,4 +197,19 @@ def batch(a):
             for b, sp in per.items()
         ]
         print(f"  {k:14s} " + "; ".join(parts) + ("" if out["tokens_match"][k] else "  tokens DIFFER"))
+    print(f"  {'bus limit':14s} " + "; ".join(f"B={b}: x{x:.2f}" for b, x in out["bus_limit_x_resident"].items())
+          + f"  ({bus['gb_s']:.1f} GB/s, {bus['how']})")  # fmt: skip
     return out
+
+
+def bus_limit(bus: dict, experts: list, expert_bytes: int, top_k: int, resident_tok_s: dict) -> dict:
+    """The bus's limit at each batch size B (the module docstring) from the bandwidth `bus`, each
+    MoE layer's expert count, an expert's bytes and resident's median tok/s at B: the bytes a step
+    if every expert its rows can name crossed the bus once, and resident's time a step (B tokens)
+    over the larger of its own and the bus's time for those bytes."""
+    step_bytes, limit = {}, {}
+    for b, tok_s in resident_tok_s.items():
+        step_bytes[str(b)] = sum(min(e, b * top_k) for e in experts) * expert_bytes
+        resident_s, bus_s = b / tok_s, step_bytes[str(b)] / (bus["gb_s"] * 1e9)
+        limit[str(b)] = resident_s / max(resident_s, bus_s)
+    return dict(bus=bus, top_k=top_k, experts=max(experts), step_bytes=step_bytes, bus_limit_x_resident=limit)

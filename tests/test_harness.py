@@ -846,7 +846,23 @@ def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compar
     bat = manyrows.batch(a)
     assert set(bat["tok_s"]["S=16/ahead"]) == {"1", "4"} and all(bat["tokens_match"].values())
     assert "tok_s_max[S=16/device/union@B4]" in many_rows_figures(bat)
+    # the bus, measured in the same run: 4 rows of top-8 name at most 32 of 64 experts a layer
+    assert bat["bus"]["gb_s"] > 0 and bat["step_bytes"]["4"] == 4 * bat["step_bytes"]["1"]
+    assert all(0 < x <= 1 for x in bat["bus_limit_x_resident"].values())
+    assert many_rows_figures(bat)["rows name every expert[B4]"] == 0.0
     assert "tokens DIFFER" not in capsys.readouterr().out
+
+
+def test_the_bus_limit_of_a_batch_is_residents_step_over_the_bus_time_of_every_expert_its_rows_name():
+    from harness.manyrows import bus_limit
+
+    # 2 layers of 64 experts of 1 MB, top-8, at 0.4 GB/s; resident 100 tok/s at B = 16 (0.16 s a
+    # step) and 50 tok/s at B = 1 (0.02 s): B = 16 names every expert, 128 MB, 0.32 s on the bus;
+    # B = 1 names 8 a layer, 16 MB, 0.04 s
+    out = bus_limit(dict(gb_s=0.4), [64, 64], 10**6, 8, {16: 100.0, 1: 50.0})
+    assert out["step_bytes"] == {"16": 128 * 10**6, "1": 16 * 10**6}
+    assert out["bus_limit_x_resident"] == pytest.approx({"16": 0.5, "1": 0.5})
+    assert bus_limit(dict(gb_s=100.0), [64], 10**6, 8, {16: 100.0})["bus_limit_x_resident"]["16"] == 1.0
 
 
 def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it(tmp_path):

@@ -441,7 +441,9 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
         pre.update({f"x resident[{k}]": x, f"x resident_min[{k}]": lo, f"x resident_max[{k}]": hi})
         pre[f"x resident[S=16/device/ahead@{n}]"] = x - 0.2
     bat = {"repeats": 3, "x resident[S=16/device/union@B4]": 0.3, "x resident_min[S=16/device/union@B4]": 0.25,
-           "x resident_max[S=16/device/union@B4]": 0.35, "x resident[S=16/device/union@B16]": 0.33}  # fmt: skip
+           "x resident_max[S=16/device/union@B4]": 0.35, "x resident[S=16/device/union@B16]": 0.33,
+           "bus_gb_s": 50.0, "bus limit x resident[B4]": 0.8, "rows name every expert[B4]": 0.0,
+           "bus limit x resident[B16]": 0.44, "rows name every expert[B16]": 1.0}  # fmt: skip
     rows = [(*base, "prefill", m, None, None, None, 64, f, v) for f, v in pre.items()]
     rows += [(*base, "batch", m, None, None, None, 64, f, v) for f, v in bat.items()]
     text = docblocks.many_rows(bench_rows(rows))
@@ -453,6 +455,10 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     assert "held 0.41× of resident's memory (target at most 0.45: met)" in text
     assert "B = 4 0.30× [0.25, 0.35] (target 0.45 missed by 0.15), B = 16 0.33× (target 0.3 met)" in text
     assert "greedy tokens equal resident's in 2 of 3 configurations" in text
+    # where the batch's time goes: the bus's limit where the rows name every expert (B = 16, not 4)
+    assert ("the bus's limit where a step's rows name every expert, each read once a step at the 50.0 GB/s "
+            "the run measured: B = 16 0.44× (reached 0.75 of it)") in text  # fmt: skip
+    assert "B = 4 0.80×" not in text
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert "(target" not in docblocks.many_rows(bench_rows(cpu))  # targets are the GPU's full-size model's
     assert "No `bench prefill`" in docblocks.many_rows(bench_rows([]))
@@ -463,6 +469,7 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     # the tables: one per bench and machine, a row per configuration, resident left out (it is 1.0)
     tables = docblocks.many_rows_tables(both)
     assert "| | 128 tokens | 512 tokens | 2048 tokens | decode after 2048 | memory held |" in tables
+    assert "| the bus's limit, every expert read once a step |  | 0.44× |" in tables
     assert "| S = 16 (device, the rows' area) | 0.45× [0.40, 0.52] | 0.80× [0.75, 0.85] | 0.90× [0.86, 0.95] | " \
         "0.75× [0.72, 0.80] | 0.41× |" in tables  # fmt: skip
     assert "| S = 16 (device, next layer ahead) | 0.25× |" in tables

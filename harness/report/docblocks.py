@@ -238,6 +238,14 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                 x = _verdict(bfig, "x resident", f"{bc}@B{B}", t) if t else f"{bfig[f'x resident[{bc}@B{B}]']:.2f}×"
                 each.append(f"B = {B} {x}")
             parts.append("`batch_generate` at S = 16: " + ", ".join(each))
+            # where the time goes: the bus, where the step's rows name every expert of each layer
+            every = [B for B in sizes if bfig.get(f"rows name every expert[B{B}]")]
+            if every:
+                limits = ", ".join(f"B = {B} {bfig[f'bus limit x resident[B{B}]']:.2f}× (reached "
+                                   f"{bfig[f'x resident[{bc}@B{B}]'] / bfig[f'bus limit x resident[B{B}]']:.2f} of it)"
+                                   for B in every)  # fmt: skip
+                parts.append(f"the bus's limit where a step's rows name every expert, each read once a step at "
+                             f"the {bfig['bus_gb_s']:.1f} GB/s the run measured: {limits}")  # fmt: skip
         matched = [v for f, v in {**fig, **bfig}.items() if f.startswith("tokens_match[")]
         parts.append("greedy tokens equal resident's in " + ("every run" if all(matched) else
                      f"{int(sum(matched))} of {len(matched)} configurations"))  # fmt: skip
@@ -249,6 +257,8 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
 
 
 def _area(config: str) -> str:
+    if config == "bus limit":
+        return "the bus's limit, every expert read once a step"
     s, install, *area = config.split("/")
     way = {"union": ", the rows' area", "ahead": ", next layer ahead"}.get(area[0] if area else "", "")
     return f"{s.replace('=', ' = ')} ({install}{way})"
@@ -287,6 +297,10 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
             else:
                 head = [f"B = {a[1:]}" for a in ats]
                 rows = [[cell("x resident", f"{c}@{a}") for a in ats] for c in configs]
+                if any(f"bus limit x resident[{a}]" in fig for a in ats):  # the bus's limit: every expert named
+                    configs.append("bus limit")
+                    rows.append([f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
+                                 else "" for a in ats])  # fmt: skip
                 ref = "resident's tok/s: " + ", ".join(
                     f"{fig[f'tok_s[resident@{a}]']:.1f}" for a in ats if f"tok_s[resident@{a}]" in fig
                 )

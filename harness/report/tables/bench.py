@@ -58,8 +58,8 @@ def _spread_figures(figs: dict, name: str, key: str, sp: dict):
 def many_rows_figures(res: dict) -> dict:
     """A prefill or batch record's figures: each configuration's time to first token (ms) per
     prompt length, or aggregate tok/s per batch size, with its ratio to resident's in the same
-    repeat (median, min, max), whether its tokens were resident's, and (prefill) the decode after
-    the longest prompt and the memory it held."""
+    repeat (median, min, max), whether its tokens were resident's, (prefill) the decode after the
+    longest prompt and the memory it held, and (batch) the bus's limit at each B."""
     k_, figs = many_rows_key(res), {}
     if res["bench"] == "prefill":
         for k, per in res["ttft_s"].items():
@@ -75,6 +75,12 @@ def many_rows_figures(res: dict) -> dict:
             for b, sp in per.items():
                 _spread_figures(figs, "tok_s", f"{k_(k)}@B{b}", sp)
                 _spread_figures(figs, "x resident", f"{k_(k)}@B{b}", res["x_resident"][k][b])
+        for b, x in res.get("bus_limit_x_resident", {}).items():  # recorded since the bus was measured
+            figs[f"bus limit x resident[B{b}]"] = x
+            figs[f"step_bytes[B{b}]"] = res["step_bytes"][b]
+            figs[f"rows name every expert[B{b}]"] = float(int(b) * res["top_k"] >= res["experts"])
+        if "bus" in res:
+            figs["bus_gb_s"] = res["bus"]["gb_s"]
     figs.update({f"tokens_match[{k_(k)}]": float(v) for k, v in res["tokens_match"].items()})
     figs["repeats"] = res["repeats"]
     return figs

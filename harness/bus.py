@@ -1,0 +1,47 @@
+"""The bus a miss crosses, measured in the run that reads its bytes: the benches that state a
+bus-bound limit (`bench families`, `bench batch`) divide the bytes a token or step reads by it."""
+
+import os
+import statistics
+import time
+
+from engine import device
+from engine.runtime.store import aligned_empty
+
+BUS_BYTES = 256 << 20  # what one bandwidth sample moves
+
+
+def bus_gb_s(store) -> dict:
+    """The bandwidth a miss crosses, measured now: on a CUDA GPU a `cudaMemcpy` from pinned host
+    memory to the device; on the CPU a `preadv` of a store file from the page cache into memory
+    (where the CPU's installs read). Median GB/s of 7 samples of up to 256 MiB."""
+    layer = store.path / store.layers[0]["file"]
+    n = min(BUS_BYTES, os.path.getsize(layer) // 4096 * 4096)
+    buf = aligned_empty(n)
+    samples = []
+    if device.pinned_unavailable() is None:
+        rt = device.cuda_runtime()
+        reg = device.Registration(buf, rt)
+        dev = rt.malloc(n)
+        try:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                rt.memcpy_h2d(dev, buf.ctypes.data, n)
+                rt.synchronize()
+                samples.append(time.perf_counter() - t0)
+        finally:
+            rt.free(dev)
+            reg.release()
+        how = "cudaMemcpy from pinned host memory"
+    else:
+        fd = os.open(layer, os.O_RDONLY)
+        try:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                os.preadv(fd, [buf], 0)
+                samples.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+        how = "preadv of a store file from the page cache"
+    samples = samples[1:]  # the first touches the pages
+    return dict(gb_s=n / statistics.median(samples) / 1e9, bytes=n, samples=len(samples), how=how)
