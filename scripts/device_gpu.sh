@@ -13,6 +13,7 @@
 #   mlx-lm's generate_step and through the engine's loop, and the oracle's prefetch), decode16 (the
 #   first of those at S = 16 alone: a change's check against the run before; needs build), oracle (that
 #   prefetch alone, on a stream of its own and on the decode stream, 5 prompts; needs build),
+#   batch16 (bench batch at S = 16 with the default install and the bus's limit; needs build),
 #   manyrows (bench prefill and bench batch: the device install at S = 8, 16, 32 with and without the
 #   next layer's area copied ahead, and pinned at S = 16, each beside resident; needs build),
 #   families (bench families --record --clean: issue 49's shapes, FAMILIES picks and orders them),
@@ -139,6 +140,9 @@ for step in "$@"; do
     decode16)  # the syncfree step's first run at S = 16 alone: a change's check against the run before it
           run $py -m harness bench throughput --model $full --tokens 128 --repeats 5 --slots 16 \
             --installs device pinned --loop mlx-lm --record ;;
+    batch16)  # the manyrows step's bench batch at S = 16 alone (the default install): B = 1, 4, 16 and the
+              # bus's limit at each, measured in the same run; needs build
+          run $py -m harness bench batch --model $full --slots 16 --repeats 3 --tokens 64 --record ;;
     oracle)  # the syncfree step's prefetch alone: the oracle's fills on their own stream and on the decode stream
           run $py -m harness bench prefetch --model $full --slots 16 --install device --predictors oracle \
             --depths 1 2 --prompts 5 --tokens 32 --overlap both --record ;;
