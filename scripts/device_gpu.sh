@@ -6,7 +6,8 @@
 #
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
 #   steps: tests (the whole test suite in SHARDS processes, default 8, or the TESTS named, recorded as
-#   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), build (the full-size model and its
+#   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), tests2 (the test files TESTS2
+#   names, a second record: a suite split in two where device time is short), build (the full-size model and its
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
 #   confidence floor), install, memory (peak memory at S = 16 and 32 against resident decoding),
 #   syncfree (the device install beside the pinned one: throughput at S = 8, 16, 32 through
@@ -119,6 +120,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for step in "$@"; do
   case $step in
     tests) run $py -m harness suite --shards "${SHARDS:-8}" ${TESTS:-tests} ;;  # the record: results/raw/tests/suite
+    tests2) run $py -m harness suite --shards "${SHARDS:-8}" $TESTS2 ;;  # the rest of TESTS, when a session's
+            # device time may end mid-suite: the first record stands whether or not this one comes
     build) run $py -m engine store build $full ;;
     miss) run $py -m harness bench miss --repeats 2 --readers 4 --batch 1 8 --record ;;
     throughput) run $py -m harness bench throughput --model $full --tokens 32 --repeats 7 --slots 16 32 \
