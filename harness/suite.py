@@ -150,23 +150,27 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
     """Run the suite (in `n_shards` processes) and write its record; returns the result and the path."""
     started = provenance.utc_now()
     t0 = time.time()
-    work = Path(tempfile.mkdtemp(prefix="titan-suite-"))
+    cache = Path(tempfile.mkdtemp(prefix="titan-suite-"))
+    work = reports_dir(started) or cache
     device = "gpu" if provenance.device()["device"] == "gpu" else "cpu"
     groups = shards(collect(pytest_args), n_shards, former_seconds(device)) if n_shards > 1 else [None]
     procs = []
     for i, group in enumerate(groups):
         env = dict(os.environ)
         if n_shards > 1:
-            env["MLX_PTX_CACHE_DIR"] = str(work / f"ptx-{i}")
+            env["MLX_PTX_CACHE_DIR"] = str(cache / f"ptx-{i}")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={work / f'shard-{i}.xml'}"]
         cmd += pytest_args if group is None else [a for a in pytest_args if a.startswith("-")] + group
         log = open(work / f"shard-{i}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, i))
-    for p, log, i in procs:
-        p.wait()
-        log.close()
-        tail = (work / f"shard-{i}.log").read_text().splitlines()[-3:]
-        print(f"[suite] shard {i}: exit {p.returncode}: {' | '.join(tail)}", flush=True)
+    running = list(procs)
+    while running:  # each shard said as it ends: a run cut short still shows which ended how
+        for p, log, i in [r for r in running if r[0].poll() is not None]:
+            running.remove((p, log, i))
+            log.close()
+            tail = (work / f"shard-{i}.log").read_text().splitlines()[-3:]
+            print(f"[suite] shard {i}: exit {p.returncode}: {' | '.join(tail)}", flush=True)
+        time.sleep(0.5 if running else 0)
     xmls = [work / f"shard-{i}.xml" for i in range(len(groups)) if (work / f"shard-{i}.xml").exists()]
     result = parse_junit(xmls)
     result.update(
@@ -195,6 +199,19 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
         )
     keep_failed_logs(work, [i for p, _, i in procs if p.returncode != 0], root, path.stem if path else started)
     return result, path
+
+
+def reports_dir(started: str) -> Path | None:
+    """Where the shards write their JUnit XML and logs as each ends: `$TITAN_SUITE_REPORTS/STARTED/`
+    where that is set (scripts/device_gpu.sh sets it under results/logs/, which it brings back
+    after every call, so that a run the device's time limit cuts short still names what the shards
+    that ended found), else None (a temporary folder, with the kernel caches)."""
+    root = os.environ.get("TITAN_SUITE_REPORTS")
+    if not root:
+        return None
+    folder = Path(root) / started.replace(":", "")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def keep_failed_logs(work: Path, failed: list, root, name: str) -> Path | None:

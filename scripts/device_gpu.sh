@@ -117,6 +117,9 @@ export PATH
 $py -m snakemake --profile profiles/gpu --unlock > /dev/null 2>&1 || true
 log "device: $($py -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())')"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# The suite's shards write their reports as each ends under results/logs/, which collect() brings
+# back after every call: a suite the device's time cuts short still names what its shards found.
+export TITAN_SUITE_REPORTS=${TITAN_SUITE_REPORTS:-results/logs/suite-reports}
 for step in "$@"; do
   case $step in
     tests) run $py -m harness suite --shards "${SHARDS:-8}" ${TESTS:-tests} ;;  # the record: results/raw/tests/suite

@@ -253,6 +253,9 @@ def test_a_full_queue_is_told_to_retry_and_a_long_request_stops_at_its_time_limi
     proc, base = start_server(tmp_path / "server.log", "--queue", "1", "--request-timeout", "3")
     no_end = {load_reference(MODEL)[1].eos_token_id: -1e9}  # so that only the time limit can end it
     try:
+        # warm: a server's first request compiles the backend's kernels (on CUDA, seconds of the
+        # long request's 3 s limit, which covers its prefill)
+        assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             ask = {"prompt": "def f(x):", "max_tokens": 4000, "logit_bias": no_end}
             long = pool.submit(post, f"{base}/v1/completions", ask)

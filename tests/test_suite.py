@@ -68,7 +68,8 @@ def test_shards_keep_files_whole_but_the_independent_ones():
 
 def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
     """A real (tiny) pytest run in two shards: the record counts what passed, failed and was
-    skipped, names each failure with its message and each skip with its reason."""
+    skipped, names each failure with its message and each skip with its reason; each shard's
+    report and log are where TITAN_SUITE_REPORTS says as it ends (a run cut short keeps them)."""
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_a.py").write_text(
@@ -89,9 +90,14 @@ def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+             "TITAN_SUITE_REPORTS": str(tmp_path / "reports")},  # fmt: skip
     )
     assert out.returncode == 0, out.stderr
+    (reports,) = (tmp_path / "reports").iterdir()
+    assert sorted(p.name for p in reports.iterdir()) == ["shard-0.log", "shard-0.xml", "shard-1.log", "shard-1.xml"]
+    assert sorted(line.split(":")[0] for line in out.stdout.splitlines() if line.startswith("[suite] shard")) == [
+        "[suite] shard 0", "[suite] shard 1"]  # fmt: skip
     (rec,) = records.read([tmp_path / "raw"])
     r = rec["result"]
     assert (rec["gate"], rec["experiment"]) == ("tests", "suite")
