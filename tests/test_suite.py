@@ -90,8 +90,12 @@ def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-             "TITAN_SUITE_REPORTS": str(tmp_path / "reports")},  # fmt: skip
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "TITAN_SUITE_REPORTS": str(tmp_path / "reports"),
+        },  # fmt: skip
     )
     assert out.returncode == 0, out.stderr
     (reports,) = (tmp_path / "reports").iterdir()
