@@ -237,7 +237,7 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                 t = BATCH_TARGETS.get((16, B)) if targets else None
                 x = _verdict(bfig, "x resident", f"{bc}@B{B}", t) if t else f"{bfig[f'x resident[{bc}@B{B}]']:.2f}×"
                 each.append(f"B = {B} {x}")
-            parts.append("`batch_generate` at S = 16: " + ", ".join(each))
+            parts.append(f"`batch_generate` at S = 16 ({bc.split('/')[1]}): " + ", ".join(each))
             # where the time goes: the bus, where the step's rows name every expert of each layer
             every = [B for B in sizes if bfig.get(f"rows name every expert[B{B}]")]
             if every:
