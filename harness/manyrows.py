@@ -23,9 +23,10 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import batch_generate, generate_step
 
-from engine import EngineConfig, load
+from engine import EngineConfig, load, memory
 from engine.models import registry
 from engine.predict import prompts
+from engine.runtime.installs import choose as choose_install
 from engine.runtime.loop import model_bytes
 
 from .bus import bus_gb_s
@@ -79,6 +80,12 @@ def _load(mid, configs):
     return tok, engines, models
 
 
+def default_install(models) -> str:
+    """The install `--install auto` gives on this machine (what a user gets): the reports set it
+    first where a run measured several."""
+    return choose_install("auto", memory.host_tier_bytes(models["resident"])).name
+
+
 def _rotated(names, i):
     return names[i % len(names) :] + names[: i % len(names)]
 
@@ -118,6 +125,7 @@ def prefill(a):
         repeats=a.repeats,
         decode_tokens=a.tokens,
         install=installs,
+        default_install=default_install(models),
         ttft_s={k: {str(n): spread(v) for n, v in per.items()} for k, per in ttft.items()},
         # a configuration's speed over resident's in the same repeat: resident's seconds over its own
         x_resident={k: {str(n): paired(res[n], v) for n, v in per.items()} for k, per in ttft.items()},
@@ -183,6 +191,7 @@ def batch(a):
         tokens=a.tokens,
         prompt_tokens=a.prompt_tokens or 64,
         install=installs,
+        default_install=default_install(models),
         tok_s={k: {str(b): spread(v) for b, v in per.items()} for k, per in tps.items()},
         x_resident={k: {str(b): paired(v, res[b]) for b, v in per.items()} for k, per in tps.items()},
         tokens_match={k: all(ids[k][b] == ids["resident"][b] for b in batches) for k in names},

@@ -839,6 +839,9 @@ def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compar
     pre = manyrows.prefill(a)
     assert set(pre["ttft_s"]) == {"resident", "S=16/ahead", "S=16/union"} and pre["lengths"] == [24, 80]
     assert all(pre["tokens_match"].values()) and pre["install"]["S=16/ahead"] == "device"
+    from engine import device
+
+    assert pre["default_install"] == ("inplace" if device.kind() == "cpu" else "device")  # what `auto` gives
     assert pre["x_resident"]["resident"]["80"] == dict(median=1.0, min=1.0, max=1.0)
     assert pre["ttft_s"]["S=16/union"]["24"]["n"] == 2 and pre["decode_tok_s"]["S=16/ahead"]["n"] == 2
     figs = many_rows_figures(pre)

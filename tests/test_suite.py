@@ -477,6 +477,15 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     both = bench_rows(rows + cpu)
     assert "EPYC" in docblocks.many_rows(both) and "EPYC" not in docblocks.many_rows(both, only_targets=True)
     assert "On EPYC (cpu)" in docblocks.many_rows(bench_rows(cpu), only_targets=True)
+    # a run of two installs is read by the one `auto` gives on its machine, where it says which
+    two = {"x resident[S=16/device@B4]": 0.5, "x resident[S=16/inplace@B4]": 0.8, "repeats": 3}
+    said = {**two, "default[S=16/device]": 0.0, "default[S=16/inplace]": 1.0}
+    text = docblocks.many_rows(bench_rows([("cpu", "EPYC", "h", "batch", "m", None, None, None, 8, f, v)
+                                           for f, v in said.items()]))  # fmt: skip
+    assert "`batch_generate` at S = 16 (inplace): B = 4 0.80×" in text
+    text = docblocks.many_rows(bench_rows([("cpu", "EPYC", "h", "batch", "m", None, None, None, 8, f, v)
+                                           for f, v in two.items()]))  # fmt: skip
+    assert "`batch_generate` at S = 16 (device): B = 4 0.50×" in text  # older runs: the first by name
     # the tables: one per bench and machine, a row per configuration, resident left out (it is 1.0)
     tables = docblocks.many_rows_tables(both)
     assert "| | 128 tokens | 512 tokens | 2048 tokens | decode after 2048 | memory held |" in tables

@@ -175,9 +175,11 @@ def _verdict(fig: dict, name: str, inner: str, target: float, at_most=False) -> 
 
 def _config(fig: dict, prefix: str, s: int) -> str | None:
     """The default configuration's name at S = s in a run: the one without the next layer's area
-    copied ahead (the engine's default since it measured no faster, EngineConfig.area_ahead)."""
+    copied ahead (the engine's default since it measured no faster, EngineConfig.area_ahead), of
+    the install `auto` gives on that machine where the run says which (`default[...]`)."""
     names = sorted({f.split("[", 1)[1].split("@")[0].rstrip("]") for f in fig if f.startswith(prefix)})
     mine = [n for n in names if n.startswith(f"S={s}/") and not n.endswith("/ahead")]
+    mine.sort(key=lambda n: not fig.get(f"default[{n}]"))  # stable: the first by name otherwise
     return mine[0] if mine else None
 
 

@@ -82,6 +82,8 @@ def many_rows_figures(res: dict) -> dict:
         if "bus" in res:
             figs["bus_gb_s"] = res["bus"]["gb_s"]
     figs.update({f"tokens_match[{k_(k)}]": float(v) for k, v in res["tokens_match"].items()})
+    if "default_install" in res:  # which configurations run what `auto` gives there (recorded since)
+        figs.update({f"default[{k_(k)}]": float(v == res["default_install"]) for k, v in res["install"].items()})
     figs["repeats"] = res["repeats"]
     return figs
 
