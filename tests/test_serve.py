@@ -152,8 +152,8 @@ def test_concurrent_requests_decode_together_unless_told_one_at_a_time(tmp_path,
         proc.terminate()
         proc.wait(timeout=30)
     for p, (_, _, text) in zip(prompts, spans):
-        if text != greedy(p, 40):
-            pytest.fail(f"{p!r}: {text!r} is not mlx-lm's greedy {greedy(p, 40)!r}; on this backend mlx-lm's own "
+        if text != (want := greedy(p, 40)):
+            pytest.fail(f"{p!r}: {text!r} is not mlx-lm's greedy {want!r}; on this backend mlx-lm's own "
                         f"batch of these prompts {batch_note(prompts, 40)}")  # fmt: skip
     spans.sort()
     overlapped = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))

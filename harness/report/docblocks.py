@@ -259,8 +259,6 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
 
 
 def _area(config: str) -> str:
-    if config == "bus limit":
-        return "the bus's limit, every expert read once a step"
     s, install, *area = config.split("/")
     way = {"union": ", the rows' area", "ahead": ", next layer ahead"}.get(area[0] if area else "", "")
     return f"{s.replace('=', ' = ')} ({install}{way})"
@@ -299,10 +297,6 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
             else:
                 head = [f"B = {a[1:]}" for a in ats]
                 rows = [[cell("x resident", f"{c}@{a}") for a in ats] for c in configs]
-                if any(f"bus limit x resident[{a}]" in fig for a in ats):  # the bus's limit: every expert named
-                    configs.append("bus limit")
-                    rows.append([f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
-                                 else "" for a in ats])  # fmt: skip
                 ref = "resident's tok/s: " + ", ".join(
                     f"{fig[f'tok_s[resident@{a}]']:.1f}" for a in ats if f"tok_s[resident@{a}]" in fig
                 )
@@ -313,6 +307,10 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
             out.append("| | " + " | ".join(head) + " |")
             out.append("| --- " * (len(head) + 1) + "|")
             out += ["| " + _area(c) + " | " + " | ".join(r) + " |" for c, r in zip(configs, rows)]
+            if kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
+                limits = [f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
+                          else "" for a in ats]  # fmt: skip
+                out.append("| the bus's limit, every expert read once a step | " + " | ".join(limits) + " |")
             out.append("")
     return "\n".join(out).strip() or "No `bench prefill` or `bench batch` is recorded yet."
 
