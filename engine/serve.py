@@ -32,6 +32,7 @@ them one after the other through mlx-lm's single-sequence path, as does a reques
 (mlx-lm's rule). Everything runs in mlx-lm's generation thread, where the engine is also loaded.
 """
 
+import faulthandler
 import io
 import json
 import logging
@@ -498,6 +499,8 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
             raise ValueError(f"--host {cli_args.host} --port {cli_args.port}: {e.strerror}") from None
         if threading.current_thread() is threading.main_thread():  # a service manager's stop is Ctrl-C's
             signal.signal(signal.SIGTERM, signal.default_int_handler)
+            # `kill -USR1` writes every thread's stack to stderr: where a server that seems stuck is
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         logging.info(f"serving {model_id} at {cli_args.host} on port {httpd.server_address[1]}")
         if ready is not None:
             ready(httpd.server_address)

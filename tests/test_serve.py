@@ -3,8 +3,11 @@ mlx-lm's, concurrent and malformed requests, a full queue, a client that leaves,
 before the port opens."""
 
 import concurrent.futures
+import functools
 import json
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -18,6 +21,12 @@ from engine.models.registry import load_reference
 from harness import servebench
 
 MODEL = "qwen3moe-tiny"
+# A request whose shapes a server process has not met yet waits on MLX compiling their kernels: on a
+# CUDA GPU, with 16 test processes compiling at once, a streamed chat's first answer came after a
+# 120 s client timeout (2026-12-06, H100), where a CPU takes seconds. The tests' timeouts are there
+# to catch a server that hangs, so they allow for that; the server's own time limits are tested
+# only after warm() has made it meet the shapes.
+ANSWER_TIMEOUT = 900
 
 
 # -- the server ------------------------------------------------------------------------------------
@@ -36,11 +45,37 @@ def served(tmp_path_factory):
     # here took 110-142 s on the H200 with 16 test processes compiling at once (2 s on a CPU), and
     # its first answer once came after the clients' 120 s timeout. One answer first, so that the
     # tests' timeouts time the server, not the compiler.
-    status, _, body = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=900)
+    status, _, body = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0})
     assert status == 200, body
     yield url, log
-    proc.terminate()
-    proc.wait(timeout=30)
+    stop(proc, log)
+
+
+def stop(proc, log, sig=signal.SIGTERM, timeout=60) -> int:
+    """Send `sig` to the server and return its exit code. One that has not ended within `timeout`
+    s is asked for every thread's stack (SIGUSR1, which the server hands to faulthandler), killed,
+    and the test fails with its log's end: where its shutdown hung."""
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the server had not ended {timeout} s after {sig.name}; its log's end, with every thread's "
+                    f"stack:\n{log.read_text()[-12000:]}")  # fmt: skip
+
+
+def warm(base, *bodies):
+    """Send each request (at 2 tokens) until the server answers it: its shapes' kernels are then
+    compiled, and a time limit under test times the server, not the compiler. A request the server's
+    time limit stopped left what it compiled, so each attempt gets further than the one before."""
+    deadline = time.monotonic() + ANSWER_TIMEOUT
+    for body in bodies:
+        while (answer := post(f"{base}/v1/completions", {**body, "max_tokens": 2}))[0] != 200:
+            status, _, said = answer
+            assert status == 503 and "time limit" in said["error"] and time.monotonic() < deadline, answer
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +86,10 @@ def server(served):
 def client(url):
     import openai  # the tests' own dependency: a real OpenAI client
 
-    return openai.OpenAI(base_url=url, api_key="not-needed", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=url, api_key="not-needed", max_retries=0, timeout=ANSWER_TIMEOUT)
 
 
-def post(url, body, timeout=120):
+def post(url, body, timeout=ANSWER_TIMEOUT):
     """(status, headers, parsed body) of a POST of `body` (bytes, or an object sent as JSON)."""
     import urllib.error
     import urllib.request
@@ -85,15 +120,19 @@ def greedy(prompt, tokens):
     return "".join(r.text for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=tokens))
 
 
-def batch_note(prompts, tokens) -> str:
-    """Whether mlx-lm's own batch_generate of `prompts` gives each one's single-sequence greedy text
-    on this backend: what a batched answer that differs from it is to be read against."""
+@functools.cache
+def batch_differs(prompts: tuple, tokens: int) -> int:
+    """For how many of `prompts` mlx-lm's own batch_generate of them all gives other text than the
+    prompt's single-sequence greedy one, on this backend: what a batched answer that differs from
+    its greedy text is read against. On the CPU none: a row's arithmetic does not depend on the rows
+    beside it. On CUDA the matrix kernels do (2 of the 3 below differed on the H100, 2026-12-06),
+    so there a batched answer is mlx-lm's batched one (test_exactness pins that), not the answer
+    the same request gets alone."""
     from mlx_lm.generate import batch_generate
 
     model, tok, _ = load_reference(MODEL)
     texts = batch_generate(model, tok, [tok.encode(p) for p in prompts], max_tokens=tokens).texts
-    same = [t == greedy(p, tokens) for p, t in zip(prompts, texts)]
-    return "gives each one's greedy text" if all(same) else f"differs from the greedy text for {same.count(False)}"
+    return sum(t != greedy(p, tokens) for p, t in zip(prompts, texts))
 
 
 def test_the_server_answers_a_streamed_chat_and_a_plain_completion(server):
@@ -119,6 +158,8 @@ def test_two_clients_at_once_get_what_each_would_alone(server):
     alone = [ask(p) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         together = list(pool.map(ask, prompts))
+    if together != alone and batch_differs(tuple(prompts), 10):
+        pytest.xfail(f"batched {together} is not {alone}, as mlx-lm's own batch differs on this backend")
     assert together == alone
 
 
@@ -129,7 +170,7 @@ def stream_span(base, prompt, tokens) -> tuple[float, float, str]:
     body = json.dumps({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     times, text = [], ""
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req, timeout=ANSWER_TIMEOUT) as r:
         for line in r:
             if line.startswith(b"data: {"):
                 times.append(time.monotonic())
@@ -140,24 +181,26 @@ def stream_span(base, prompt, tokens) -> tuple[float, float, str]:
 @pytest.mark.parametrize("batch", [True, False], ids=["batched", "one-at-a-time"])
 def test_concurrent_requests_decode_together_unless_told_one_at_a_time(tmp_path, batch):
     """By default a request that arrives while another decodes joins its batch: their tokens
-    interleave, and each answer is still plain mlx-lm's. `--no-batch` serves one after the other:
-    one's first token comes after the other's last."""
-    proc, base = start_server(tmp_path / "server.log", *([] if batch else ["--no-batch"]))
-    prompts = ["def add(a, b):", "import sys\n", "class Node:"]
+    interleave, and each answer is plain mlx-lm's: the prompt's greedy text, where mlx-lm's own
+    batch gives it (on the CPU). `--no-batch` serves one after the other: one's first token comes
+    after the other's last, and each answer is the greedy text on every backend."""
+    log = tmp_path / "server.log"
+    proc, base = start_server(log, *([] if batch else ["--no-batch"]))
+    prompts = ("def add(a, b):", "import sys\n", "class Node:")
     try:
-        assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # compiled, warm
+        warm(base, {"prompt": "x"})
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             spans = list(pool.map(lambda p: stream_span(base, p, 40), prompts))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc, log)
+    overlapped = any(b[0] < a[1] for a, b in zip(sorted(spans), sorted(spans)[1:]))
+    assert overlapped == batch, spans
     for p, (_, _, text) in zip(prompts, spans):
         if text != (want := greedy(p, 40)):
-            pytest.fail(f"{p!r}: {text!r} is not mlx-lm's greedy {want!r}; on this backend mlx-lm's own "
-                        f"batch of these prompts {batch_note(prompts, 40)}")  # fmt: skip
-    spans.sort()
-    overlapped = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
-    assert overlapped == batch, spans
+            if batch and (n := batch_differs(prompts, 40)):
+                pytest.xfail(f"{p!r}: batched {text!r} is not the greedy {want!r}, as mlx-lm's own batch of these "
+                             f"prompts differs from it for {n} on this backend")  # fmt: skip
+            pytest.fail(f"{p!r}: {text!r} is not mlx-lm's greedy {want!r}")
 
 
 def test_the_server_lists_its_model_and_serves_no_other(server):
@@ -249,11 +292,12 @@ def test_eight_clients_at_once_one_leaving_mid_stream_one_malformed(served):
         answers = {p: pool.submit(ask, p) for p in prompts}
         left = pool.submit(leave_mid_stream)
         bad = pool.submit(malformed)
-        got = {p: f.result(timeout=300) for p, f in answers.items()}
-        assert left.result(timeout=300) == 3
-        assert all(400 <= code < 500 for code in bad.result(timeout=300))
-    for p in prompts:
-        assert got[p].choices[0].text == want[p], p
+        got = {p: f.result(timeout=ANSWER_TIMEOUT) for p, f in answers.items()}
+        assert left.result(timeout=ANSWER_TIMEOUT) == 3
+        assert all(400 <= code < 500 for code in bad.result(timeout=ANSWER_TIMEOUT))
+    # batched, so each answer is the greedy text wherever mlx-lm's own batch gives it
+    differ = [p for p in prompts if got[p].choices[0].text != want[p]]
+    assert not differ or batch_differs(tuple(prompts), 6), differ
     deadline = time.monotonic() + 60
     while "client went away" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -265,23 +309,20 @@ def test_eight_clients_at_once_one_leaving_mid_stream_one_malformed(served):
 def test_a_full_queue_is_told_to_retry_and_a_long_request_stops_at_its_time_limit(tmp_path):
     proc, base = start_server(tmp_path / "server.log", "--queue", "1", "--request-timeout", "3")
     no_end = {load_reference(MODEL)[1].eos_token_id: -1e9}  # so that only the time limit can end it
+    ask = {"prompt": "def f(x):", "logit_bias": no_end}
     try:
-        # warm: a server's first request compiles the backend's kernels (on CUDA, seconds of the
-        # long request's 3 s limit, which covers its prefill)
-        assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        warm(base, {"prompt": "x"}, ask)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            ask = {"prompt": "def f(x):", "max_tokens": 4000, "logit_bias": no_end}
-            long = pool.submit(post, f"{base}/v1/completions", ask)
+            long = pool.submit(post, f"{base}/v1/completions", {**ask, "max_tokens": 4000})
             time.sleep(1)  # the long request is in the server
             status, headers, body = post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})
             assert status == 503 and int(headers["Retry-After"]) > 0 and "--queue" in body["error"]
-            status, _, done = long.result(timeout=120)
+            status, _, done = long.result(timeout=ANSWER_TIMEOUT)
         assert status == 200 and done["choices"][0]["finish_reason"] == "length"
         assert done["usage"]["completion_tokens"] < 4000
         assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200  # its turn now
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc, tmp_path / "server.log")
 
 
 @pytest.mark.parametrize(
@@ -343,8 +384,6 @@ def test_hostile_requests_among_well_formed_ones_leave_the_server_serving(tmp_pa
     Batched, the long prompts' chunks run between the questions' decode steps, so on a slow machine
     a question's time limit may end its answer early: then it is mlx-lm's text cut at `length`.
     One at a time, a question waits for the long prompt's turn to end and then has its full limit."""
-    import signal
-
     log = tmp_path / "server.log"
     proc, base = start_server(
         log, "--request-timeout", "3", "--prefill-step-size", "64", *([] if batch else ["--no-batch"])
@@ -352,7 +391,7 @@ def test_hostile_requests_among_well_formed_ones_leave_the_server_serving(tmp_pa
     url = base + "/v1"
     context = registry.limits_of(MODEL)["context"]
     long_prompt = "def f(x):\n    return x\n" * ((context - 64) // 12)  # within the context, slow to prefill
-    prompts = ["def add(a, b):", "import sys\n", "class Node:"]
+    prompts = ("def add(a, b):", "import sys\n", "class Node:")
     want = {p: greedy(p, 6) for p in prompts}
     hostile = [
         {"prompt": "x", "logit_bias": {"99999999": 1}},
@@ -374,28 +413,29 @@ def test_hostile_requests_among_well_formed_ones_leave_the_server_serving(tmp_pa
             time.sleep(0.5)
 
     try:
+        warm(base, {"prompt": "x"}, *({"prompt": p} for p in prompts))
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             left = pool.submit(leave_in_prefill)
             bad = [pool.submit(post, f"{url}/completions", b) for b in hostile]
-            good = {p: pool.submit(post, f"{url}/completions", {"prompt": p, "max_tokens": 6, "temperature": 0},
-                                   timeout=300) for p in prompts}  # fmt: skip
-            long = pool.submit(post, f"{url}/completions", {"prompt": long_prompt, "max_tokens": 2}, timeout=300)
+            good = {p: pool.submit(post, f"{url}/completions", {"prompt": p, "max_tokens": 6, "temperature": 0})
+                    for p in prompts}  # fmt: skip
+            long = pool.submit(post, f"{url}/completions", {"prompt": long_prompt, "max_tokens": 2})
             left.result(timeout=120)
             for f in bad:
-                status, _, answer = f.result(timeout=300)
+                status, _, answer = f.result(timeout=ANSWER_TIMEOUT)
                 assert status == 400 and answer["error"], answer
             for p, f in good.items():
-                status, _, answer = f.result(timeout=300)
+                status, _, answer = f.result(timeout=ANSWER_TIMEOUT)
                 assert status == 200, (p, answer)
                 text, why = answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]
-                assert text == want[p] or (batch and why == "length" and want[p].startswith(text)), (p, answer)
-            status, _, answer = long.result(timeout=300)
+                cut = why == "length" and want[p].startswith(text)
+                assert text == want[p] or (batch and (cut or batch_differs(prompts, 6))), (p, answer)
+            status, _, answer = long.result(timeout=ANSWER_TIMEOUT)
             assert status == 200 or (status == 503 and "time limit of 3 s (--request-timeout)" in answer["error"])
         assert post(f"{url}/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
         assert "Traceback" not in log.read_text()
     finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        code = stop(proc, log, signal.SIGINT)
     text = log.read_text()
     assert code == 0 and "terminate called" not in text and "Traceback" not in text, text[-3000:]
 
@@ -405,26 +445,30 @@ def test_a_prompt_whose_prefill_outlasts_the_time_limit_gets_a_503_naming_it(tmp
     outlast a 1 s limit on any machine; it stops between chunks, answered 503 with its progress."""
     proc, base = start_server(tmp_path / "server.log", "--request-timeout", "1", "--prefill-step-size", "1")
     try:
+        warm(base, {"prompt": "x"})  # the answer below has its shapes compiled
         prompt = "def f(x):\n    return x\n" * 100
-        status, _, answer = post(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": 2}, timeout=300)
+        status, _, answer = post(f"{base}/v1/completions", {"prompt": prompt, "max_tokens": 2})
         assert status == 503 and "passed in its prompt's prefill (" in answer["error"], answer
         done, total = answer["error"].rpartition("(")[2].split(" tokens")[0].split(" of ")
         assert 0 < int(done) < int(total)
         assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc, tmp_path / "server.log")
 
 
 def test_a_stop_signal_ends_the_server_cleanly(tmp_path):
-    """SIGTERM (a service manager's stop) is Ctrl-C's: exit 0 once the engine's threads are stopped."""
-    import signal
-
+    """SIGTERM (a service manager's stop) is Ctrl-C's: exit 0 once the engine's threads are stopped.
+    SIGUSR1 writes every thread's stack to the log and the server goes on serving."""
     log = tmp_path / "server.log"
     proc, base = start_server(log)
     assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "in serve_forever" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "in serve_forever" in log.read_text() and "in _generate" in log.read_text()
+    assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    assert stop(proc, log) == 0
     assert "terminate called" not in log.read_text() and "Traceback" not in log.read_text()
 
 

@@ -46,7 +46,7 @@ def test_the_tree_hash_is_gits_own(tmp_path):
 
 def test_shards_keep_files_whole_but_the_independent_ones():
     ids = [f"tests/test_architectures.py::t[{i}]" for i in range(6)]
-    ids += [f"tests/test_serve.py::u{i}" for i in range(3)]
+    ids += [f"tests/test_slots.py::u{i}" for i in range(3)]
     ids += ["tests/test_workflow.py::w", "tests/test_harness.py::h", "tests/test_cli.py::c"]
     groups = suite.shards(ids, 4)
     assert sorted(t for g in groups for t in g) == sorted(ids)  # each test once
@@ -55,15 +55,15 @@ def test_shards_keep_files_whole_but_the_independent_ones():
         t.split("::")[0]: {i for i, g in enumerate(groups) if any(x.startswith(t.split("::")[0]) for x in g)}
         for t in ids
     }
-    assert len(home["tests/test_serve.py"]) == 1
+    assert len(home["tests/test_slots.py"]) == 1
     together = {i for i, g in enumerate(groups) for t in g if t.split("::")[0] in suite.TOGETHER}
     assert len(together) == 1  # Snakemake locks the checkout: one process for the workflow's tests
     assert len(home["tests/test_architectures.py"]) > 1
     # with a former run's seconds, a slow file gets a shard to itself and the rest share the others
-    slow = {t: (300.0 if t.startswith("tests/test_serve.py") else 1.0) for t in ids}
+    slow = {t: (300.0 if t.startswith("tests/test_slots.py") else 1.0) for t in ids}
     weighted = suite.shards(ids, 3, slow)
     assert sorted(t for g in weighted for t in g) == sorted(ids)
-    assert any(g == [t for t in ids if t.startswith("tests/test_serve.py")] for g in weighted)
+    assert any(g == [t for t in ids if t.startswith("tests/test_slots.py")] for g in weighted)
 
 
 def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
@@ -291,7 +291,18 @@ def test_the_device_install_sentence_says_which_targets_were_met_and_by_how_much
     assert "S = 16 0.58× [0.50, 0.70], 118 tok/s, target 0.6 missed within the spread" in text
     assert "S = 32 0.66× [0.60, 0.70], 118 tok/s, target 0.75 missed by 0.09" in text
     assert "oracle" not in text  # no prefetch bench on the device: not said
+    assert text.startswith("On an H200, `olmoe-1b-7b-shape`") and "The latest check" not in text
     assert "no throughput record" in docblocks.device_install(bench_rows([]))
+    # a later run of S = 16 alone (a change's check, here on another card) leaves the sentence on the
+    # run of every S, and is said after it with its own card
+    k = "S=16/device@mlx-lm"
+    figs = {f"x resident paired[{k}]": 0.82, f"x resident paired_min[{k}]": 0.64, f"x resident paired_max[{k}]": 0.83,
+            f"tok_s[{k}]": 182.0, "repeats[S=E@mlx-lm]": 5}  # fmt: skip
+    check = bench_rows([("gpu", "H100", "h", "throughput", "olmoe-1b-7b-shape", None, None, None, 128, f, v)
+                        for f, v in figs.items()], run_id="20261206T000000000Z-cccccc")  # fmt: skip
+    later = docblocks.device_install(pd.concat([bench_rows(rows), check]))
+    assert later.startswith(text.removesuffix(" (`scripts/device_gpu.sh OUT syncfree`; `decode16`)."))
+    assert ". The latest check, on an H100: S = 16 0.82× [0.64, 0.83], 182 tok/s, target 0.6 met (" in later
     # the oracle's prefetch, from one run of `bench prefetch` (another run's figures never mixed in)
     pf = ("gpu", "H200", "h", "prefetch", "olmoe-1b-7b-shape", "page_cache", 16, "general", 32)
     figs = {"tok_s[resident/d0/device]": 200.0, "tok_s[none/d0/device]": 160.0, "tok_s[oracle/d1/device]": 150.0,

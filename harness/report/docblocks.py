@@ -107,14 +107,21 @@ def device_install(bench: pd.DataFrame) -> str:
     A ratio is the median of the repeats' ratios (each against resident decoding in the same
     repeat) with their range; a target inside that range is met or missed within the spread."""
     model = "olmoe-1b-7b-shape"
-    b = one_run(bench[(bench["device"] == "gpu") & (bench["model"] == model)], "x resident paired[S=16/device@mlx-lm]")
+    rows = bench[(bench["device"] == "gpu") & (bench["model"] == model)]
+    paired = rows[rows["figure"].str.match(r"x resident paired\[S=\d+/device@mlx-lm\]")]
+    if not len(paired):
+        return "The `device` install has no throughput record on a GPU yet (`scripts/device_gpu.sh OUT syncfree`)."
+    # the latest run of the most slot counts (a later run of fewer, a change's check, is said after it)
+    widths = paired.groupby("run_id")["figure"].nunique()
+    run = max(widths[widths == widths.max()].index)
+    b = rows[rows["run_id"] == run]
     fig = dict(zip(b["figure"], b["value"]))
-    parts = []
-    for s, target in DEVICE_TARGETS.items():
+
+    def at(fig, s, target=None) -> str | None:
         key = f"S={s}/device@mlx-lm"
         dev, pin = fig.get(f"x resident paired[{key}]"), fig.get(f"x resident paired[S={s}/pinned@mlx-lm]")
         if dev is None:
-            continue
+            return None
         dev = round(dev, 2)  # the verdict on the figure as printed
         lo, hi = fig[f"x resident paired_min[{key}]"], fig[f"x resident paired_max[{key}]"]
         if lo >= target:
@@ -123,10 +130,10 @@ def device_install(bench: pd.DataFrame) -> str:
             met = f"missed by {target - dev:.2f}"
         else:
             met = ("met" if dev >= target else "missed") + " within the spread"
-        parts.append(f"S = {s} {dev:.2f}× [{lo:.2f}, {hi:.2f}], {fig[f'tok_s[{key}]']:.0f} tok/s, "
-                     f"target {target} {met}, `pinned` {pin:.2f}×")  # fmt: skip
-    if not parts:
-        return "The `device` install has no throughput record on a GPU yet (`scripts/device_gpu.sh OUT syncfree`)."
+        return (f"S = {s} {dev:.2f}× [{lo:.2f}, {hi:.2f}], {fig[f'tok_s[{key}]']:.0f} tok/s, target {target} {met}"
+                + (f", `pinned` {pin:.2f}×" if pin is not None else ""))  # fmt: skip
+
+    parts = [p for s, t in DEVICE_TARGETS.items() if (p := at(fig, s, t))]
     on_gpu = bench[(bench["device"] == "gpu") & (bench["model"] == model) & (bench["slots"] == 16)]
     oracle = device_oracle(one_run(on_gpu, "tok_s[oracle/"))
     if oracle:
@@ -134,14 +141,20 @@ def device_install(bench: pd.DataFrame) -> str:
     mem = {s: fig.get(f"memory_bytes[S={s}/device@mlx-lm]") for s in DEVICE_TARGETS}
     res = fig.get("memory_bytes[S=E@mlx-lm]")
     text = (
-        f"On `{model}` through mlx-lm's `generate_step`, the `device` install decodes at these multiples of "
-        f"resident decoding (median of {int(fig['repeats[S=E@mlx-lm]'])} interleaved repeats of "
+        f"On an {b['chip'].iloc[0]}, `{model}` through mlx-lm's `generate_step`, the `device` install decodes at "
+        f"these multiples of resident decoding (median of {int(fig['repeats[S=E@mlx-lm]'])} interleaved repeats of "
         f"{int(b.loc[b['figure'] == 'repeats[S=E@mlx-lm]', 'tokens'].iloc[0])} tokens, each against "
         "resident in the same repeat, [min, max]): " + "; ".join(parts)
     )
     if mem.get(16) and res:
-        text += f"; S = 16 holds {mem[16] / res:.2f}× of resident's memory (target 0.35)"
-    return text + " (`scripts/device_gpu.sh OUT syncfree`, records under `results/raw/bench/`)."
+        x = round(mem[16] / res, 2)
+        text += f"; S = 16 holds {x:.2f}× of resident's memory (target at most 0.35: {'met' if x <= 0.35 else 'missed'})"
+    later = paired.loc[paired["run_id"] > run, "run_id"]
+    if len(later):  # a later check of fewer slot counts: its own chip and run, never mixed with the above
+        c = rows[rows["run_id"] == later.max()]
+        checked = [p for s, t in DEVICE_TARGETS.items() if (p := at(dict(zip(c["figure"], c["value"])), s, t))]
+        text += f". The latest check, on an {c['chip'].iloc[0]}: " + "; ".join(checked)
+    return text + " (`scripts/device_gpu.sh OUT syncfree`; `decode16`)."
 
 
 # issue 48's targets on the full-size model (x resident, each in the same repeat): time to first
