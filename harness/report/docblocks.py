@@ -148,7 +148,8 @@ def device_install(bench: pd.DataFrame) -> str:
     )
     if mem.get(16) and res:
         x = round(mem[16] / res, 2)
-        text += f"; S = 16 holds {x:.2f}× of resident's memory (target at most 0.35: {'met' if x <= 0.35 else 'missed'})"
+        held = "met" if x <= 0.35 else "missed"
+        text += f"; S = 16 holds {x:.2f}× of resident's memory (target at most 0.35: {held})"
     later = paired.loc[paired["run_id"] > run, "run_id"]
     if len(later):  # a later check of fewer slot counts: its own chip and run, never mixed with the above
         c = rows[rows["run_id"] == later.max()]
