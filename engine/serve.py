@@ -22,6 +22,8 @@ What it adds to mlx-lm's server, so that no client can stick it or make it build
   (`--prefill-step-size` tokens), as is whether its client went away; a limit reached in the
   prefill is 503, in the decode the answer ends with `finish_reason: "length"`;
 - at most `--queue` requests are admitted at once; past that a request gets 503 with `Retry-After`;
+- Ctrl-C (or SIGTERM) ends every request in the server at its next prefill chunk (503) or token
+  (`finish_reason: "length"`), then the server exits 0; `kill -USR1` writes every thread's stack;
 - a chat needs a non-empty list of messages whose contents are text: anything else is 400.
 
 Concurrent requests are decoded together, as mlx-lm's server does for a resident model (the
@@ -56,6 +58,7 @@ from .api import load
 from .config import EngineConfig
 from .models import registry
 
+SHUTDOWN_LIMIT = 120  # seconds a stop may take past its requests' current chunk or token: then it is stuck
 MAX_BODY = 16 << 20  # bytes a request's body may have: a chat of 16 MiB is far past any context here
 
 
@@ -135,12 +138,16 @@ class PrefillStopped(Exception):
     away or its time limit passed."""
 
 
-class Watch:
-    """One request as the generation thread sees it between prefill chunks: its connection, its
-    time limit (from when its generation starts) and the prefill's progress."""
+STOPPING = "the server is stopping"
 
-    def __init__(self, conn, timeout: float):
-        self.conn, self.timeout = conn, timeout
+
+class Watch:
+    """One request as the generation thread sees it between prefill chunks and tokens: its
+    connection, its time limit (from when its generation starts), the server's stop (`stopping`,
+    set by Ctrl-C or SIGTERM) and the prefill's progress."""
+
+    def __init__(self, conn, timeout: float, stopping: threading.Event | None = None):
+        self.conn, self.timeout, self.stopping = conn, timeout, stopping
         self.deadline, self.progress = None, (0, 0)
 
     def start(self):
@@ -149,6 +156,8 @@ class Watch:
     def why_stop(self) -> str | None:
         if client_gone(self.conn):
             return "client went away"
+        if self.stopping is not None and self.stopping.is_set():
+            return STOPPING
         if self.deadline is not None and time.monotonic() > self.deadline:
             return "time limit"
         return None
@@ -190,6 +199,7 @@ class EngineResponseGenerator(mlx_server.ResponseGenerator):
 
     def __init__(self, provider, prompt_cache, context: int):
         self.context = context
+        self.stopping = threading.Event()  # set at Ctrl-C: every request ends at its next chunk or token
         super().__init__(provider, prompt_cache)
 
     def _run_generate(self):
@@ -261,7 +271,7 @@ class _Guarded:
         return getattr(self._real, name)
 
     def generate(self, request, args, progress_callback=None):
-        watch = Watch(self._conn, self._limits.request_timeout)
+        watch = Watch(self._conn, self._limits.request_timeout, self._real.stopping)
         try:
             ctx, tokens = self._real.generate(request, args, progress_callback=progress_callback, watch=watch)
         except PromptTooLong as e:
@@ -272,6 +282,8 @@ class _Guarded:
             done, total = watch.progress
             if str(e) == "client went away":
                 return ClientGone(f"client went away after 0 tokens (in the prefill, {done} of {total} prompt tokens)")
+            if str(e) == STOPPING:
+                return Refused(503, f"{STOPPING} (in the prompt's prefill, {done} of {total} tokens)")
             return Refused(503, f"the request's time limit of {self._limits.request_timeout:g} s (--request-timeout) "
                                 f"passed in its prompt's prefill ({done} of {total} tokens)")  # fmt: skip
 
@@ -290,7 +302,7 @@ class _Guarded:
                 if why == "client went away":
                     ctx.stop()
                     raise ClientGone(f"client went away after {n} tokens")
-                if r.finish_reason is None and (n >= room or why == "time limit"):
+                if r.finish_reason is None and (n >= room or why in ("time limit", STOPPING)):
                     ctx.stop()  # the generation thread stops after at most one more token
                     yield replace(r, finish_reason="length")
                     return
@@ -444,6 +456,8 @@ class EngineAPIHandler(mlx_server.APIHandler):
         if self.max_tokens > self.limits.context:
             return self._error(400, f"max_tokens {self.max_tokens} exceeds the model's context of "
                                     f"{self.limits.context} tokens")  # fmt: skip
+        if self.response_generator.stopping.is_set():  # a kept-alive connection's next request
+            return self._error(503, STOPPING)
         if not self.admission.acquire(blocking=False):  # at most --queue requests inside; never wait here
             return self._error(
                 503,
@@ -498,7 +512,11 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
         except OSError as e:
             raise ValueError(f"--host {cli_args.host} --port {cli_args.port}: {e.strerror}") from None
         if threading.current_thread() is threading.main_thread():  # a service manager's stop is Ctrl-C's
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            # and Ctrl-C's own, even where the server was started with SIGINT ignored (a background
+            # job of a script inherits that: a test suite run so sent SIGINT to a server that never
+            # saw it, 2026-12-06)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.default_int_handler)
             # `kill -USR1` writes every thread's stack to stderr: where a server that seems stuck is
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         logging.info(f"serving {model_id} at {cli_args.host} on port {httpd.server_address[1]}")
@@ -511,12 +529,21 @@ def run(model_id: str, engine_config: EngineConfig, limits: ServeLimits, cli_arg
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second one would cut the shutdown short
                 signal.signal(sig, signal.SIG_IGN)
+        # Requests in the server end at their next prefill chunk (503) or token (`length`) rather
+        # than run to their time limits one after another; a shutdown stuck past SHUTDOWN_LIMIT
+        # writes every thread's stack to stderr and exits 1, so Ctrl-C always ends the server.
+        generator.stopping.set()
+        logging.info("stopping: requests in the server end at their next prefill chunk or token")
+        faulthandler.dump_traceback_later(SHUTDOWN_LIMIT, exit=True)
         if httpd is not None:
-            httpd.server_close()
+            httpd.server_close()  # no new connection; the handlers' threads are daemons, never waited for
+        for _ in range(limits.queue):  # so wait here until every request inside has been answered
+            admission.acquire()
         generator.stop_and_join()
         # the engine's reader threads and streams end here, not in the interpreter's exit (where
         # MLX's threads, still running, ended the process with `terminate called` and exit 134)
         provider.engine.close()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def main(model_id: str, engine_config: EngineConfig, limits: ServeLimits, server_args: list):

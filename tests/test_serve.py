@@ -437,7 +437,7 @@ def test_hostile_requests_among_well_formed_ones_leave_the_server_serving(tmp_pa
     finally:
         code = stop(proc, log, signal.SIGINT)
     text = log.read_text()
-    assert code == 0 and "terminate called" not in text and "Traceback" not in text, text[-3000:]
+    assert code == 0 and "terminate called" not in text and "Traceback" not in text, text[-12000:]
 
 
 def test_a_prompt_whose_prefill_outlasts_the_time_limit_gets_a_503_naming_it(tmp_path):
@@ -470,6 +470,50 @@ def test_a_stop_signal_ends_the_server_cleanly(tmp_path):
     assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
     assert stop(proc, log) == 0
     assert "terminate called" not in log.read_text() and "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "one-at-a-time"])
+def test_a_stop_ends_the_requests_in_the_server_at_their_next_chunk_or_token(tmp_path, batch):
+    """Ctrl-C with requests inside, each with a 300 s time limit: one decoding (it could go on for
+    4000 tokens), one in a long prefill of one-token chunks (batched) or waiting its turn (one at a
+    time). Each is answered, not dropped: the decoding one ends at its next token (`length`), the
+    other is 503 saying the server is stopping; the server exits 0 within seconds, not minutes."""
+    log = tmp_path / "server.log"
+    proc, base = start_server(log, "--prefill-step-size", "1", *([] if batch else ["--no-batch"]))
+    no_end = {load_reference(MODEL)[1].eos_token_id: -1e9}
+    decoding = {"prompt": "def f(x):", "logit_bias": no_end, "temperature": 0}
+    try:
+        warm(base, {"prompt": "x"}, decoding)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long = pool.submit(post, f"{base}/v1/completions", {**decoding, "max_tokens": 4000})
+            time.sleep(1)
+            prefill = pool.submit(post, f"{base}/v1/completions",
+                                  {"prompt": "def f(x):\n    return x\n" * 300, "max_tokens": 2})  # fmt: skip
+            time.sleep(1)
+            stopped_at = time.monotonic()
+            code = stop(proc, log, signal.SIGINT)
+            took = time.monotonic() - stopped_at
+            status, _, done = long.result(timeout=ANSWER_TIMEOUT)
+            assert status == 200 and done["choices"][0]["finish_reason"] == "length", done
+            assert done["usage"]["completion_tokens"] < 4000
+            status, _, refused = prefill.result(timeout=ANSWER_TIMEOUT)
+            assert status == 503 and "the server is stopping" in refused["error"], refused
+    finally:
+        if proc.poll() is None:
+            stop(proc, log)
+    assert code == 0 and took < 60, (code, took, log.read_text()[-3000:])
+    assert "Traceback" not in log.read_text() and "terminate called" not in log.read_text()
+
+
+def test_ctrl_c_stops_a_server_started_with_it_ignored(tmp_path):
+    """A background job of a script starts with SIGINT ignored, and Python then leaves it so: a
+    suite run that way sent Ctrl-C to a server that never saw it (2026-12-06). The server takes
+    SIGINT back."""
+    log = tmp_path / "server.log"
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "engine", "serve", "--model", MODEL]
+    proc, base = servebench.start([*ignoring, "--slots", "16"], log, timeout=180, cwd=ROOT)
+    assert post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    assert stop(proc, log, signal.SIGINT) == 0
 
 
 def test_a_port_in_use_is_an_error_naming_it_not_an_abort(tmp_path):
