@@ -58,7 +58,7 @@ from .api import load
 from .config import EngineConfig
 from .models import registry
 
-SHUTDOWN_LIMIT = 120  # seconds a stop may take past its requests' current chunk or token: then it is stuck
+SHUTDOWN_LIMIT = 120  # seconds a stop may take (its requests end at their next chunk or token): then it is stuck
 MAX_BODY = 16 << 20  # bytes a request's body may have: a chat of 16 MiB is far past any context here
 
 
