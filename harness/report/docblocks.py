@@ -117,7 +117,7 @@ def device_install(bench: pd.DataFrame) -> str:
     b = rows[rows["run_id"] == run]
     fig = dict(zip(b["figure"], b["value"]))
 
-    def at(fig, s, target=None) -> str | None:
+    def at(fig, s, target) -> str | None:
         key = f"S={s}/device@mlx-lm"
         dev, pin = fig.get(f"x resident paired[{key}]"), fig.get(f"x resident paired[S={s}/pinned@mlx-lm]")
         if dev is None:
