@@ -1,8 +1,10 @@
 """`bench serve`: the engine's server beside `mlx_lm.server` on the same model, under concurrent
 clients. Each server runs in its own process on a loopback port; every repetition sends, to each
 server in a rotating order, `--clients` clients at once, each asking `--requests` greedy completions
-of `--tokens` tokens. Reported per server: request latency (p50, p99 over every request), requests
-and tokens per second of wall time, and the server process's peak resident memory (Linux's VmHWM).
+of `--tokens` tokens, after one such round untimed (its wall time is recorded: a fresh server
+compiles a kernel for each batch size the first time it meets it). Reported per server: request
+latency (p50, p99 over every request), requests and tokens per second of wall time, and the server
+process's peak resident memory (Linux's VmHWM).
 
 Both batch concurrent requests (mlx-lm's BatchGenerator); the engine's server also runs with
 `--no-batch`, one request after the other, so that what batching gives on this machine is
@@ -21,6 +23,7 @@ import numpy as np
 
 from engine.models import registry
 
+REFERENCE = "mlx_lm.server"  # the server each engine server is set against: mlx-lm's own, resident
 PROMPTS = ["def add(a, b):", "import sys\n", "class Node:", "for i in range(", "x = [", "while True:",
            "The Python language", "# a list of"]  # fmt: skip
 
@@ -90,7 +93,7 @@ def run(a, model_id: str, slots: int | None, workdir: Path) -> dict:
     servers = {
         f"engine S={slots or 'E'}": engine_cmd,
         f"engine S={slots or 'E'} one at a time": [*engine_cmd, "--no-batch"],
-        "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(path)],
+        REFERENCE: [sys.executable, "-m", "mlx_lm", "server", "--model", str(path)],
     }
     procs, rounds = {}, {name: [] for name in servers}
     try:
@@ -98,6 +101,10 @@ def run(a, model_id: str, slots: int | None, workdir: Path) -> dict:
             proc, base = start(cmd, workdir / f"{name.replace(' ', '_').replace('=', '')}.log")
             procs[name] = proc, base + "/v1/completions"
             ask(procs[name][1], "warm up", 2)  # the first request compiles and fills caches
+        # A round at the measured load, untimed: a batch of each size compiles its kernels the first
+        # time it runs (tens of seconds on CUDA), which a server pays once, not per request. Its wall
+        # time is recorded, so that what a fresh server's first clients wait is said too.
+        warmup = {name: round_of(procs[name][1], a.clients, a.requests, a.tokens)["wall"] for name in servers}
         names = list(servers)
         for rep in range(a.repeats):
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
@@ -121,6 +128,7 @@ def run(a, model_id: str, slots: int | None, workdir: Path) -> dict:
             requests_per_s=[r["requests"] / r["wall"] for r in rs],
             tok_s=[r["tokens"] / r["wall"] for r in rs],
             peak_rss_bytes=peak[name],
+            warmup_s=warmup[name],
         )
     return out
 

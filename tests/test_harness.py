@@ -6,6 +6,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -902,6 +903,15 @@ def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it
     assert readme["`qwen3moe-tiny`"][-3:] == ["all", "16 GB and up", "not yet"]  # 12 MB: its KV cache
 
 
+def test_the_readme_finds_a_runs_16_gb_budget_however_its_label_is_written():
+    from harness.report import docblocks
+
+    fig = {f"tok_s[{c}]": 1.0 for c in ("resident", "25%", "pinned 25%", "1.60 GB", "160.00 GB", "16.00 GB")}
+    assert docblocks._card(fig, 16) == "16.00 GB"  # the label `bench families` writes on a GPU
+    assert docblocks._card({"tok_s[16 GB]": 1.0}, 16) == "16 GB"
+    assert docblocks._card({k: v for k, v in fig.items() if k != "tok_s[16.00 GB]"}, 16) is None
+
+
 def test_bench_families_measures_a_family_beside_resident_records_it_once_and_reads_it_into_the_tables(tmp_path):
     """`bench families` on the CPU, as a sweep of one family (each in its own process): built in
     resources of its own, every configuration against resident in the same repeat (a fraction, a
@@ -943,3 +953,30 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     table.to_csv(figdir / "tables" / "bench.csv", index=False)
     plotting.families(figdir)
     assert (figdir / "families.png").stat().st_size > 10_000
+
+
+def test_bench_serve_sets_each_engine_server_against_mlx_lms_after_an_untimed_round_at_the_same_load(tmp_path):
+    """`bench serve` on the CPU: three servers (the engine's batched and one at a time, mlx_lm.server)
+    each warmed by one untimed round of the measured load, whose wall time is recorded; every
+    repetition's requests answered; the table sets each engine server against mlx_lm.server
+    repetition by repetition, and the name it reads is the bench's."""
+    from harness import servebench
+
+    assert bench_tables.REFERENCE_SERVER == servebench.REFERENCE
+    env = dict(os.environ, TITAN_RAW=str(tmp_path / "raw"))
+    cmd = [sys.executable, "-m", "harness", "bench", "serve", "--model", "olmoe-tiny-f32", "--slots", "16",
+           "--clients", "2", "--requests", "1", "--tokens", "3", "--repeats", "2", "--record"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = records.read([tmp_path / "raw" / "bench" / "serve"])
+    (rec,) = recs
+    servers = rec["result"]["servers"]
+    assert set(servers) == {"engine S=16", "engine S=16 one at a time", servebench.REFERENCE}
+    for s in servers.values():
+        assert s["warmup_s"] > 0 and len(s["tok_s"]) == 2 and all(t > 0 for t in s["tok_s"])
+    table = bench_tables.bench_table(recs)
+    fig = dict(zip(table["figure"], table["value"]))
+    assert fig["requests"] == 2 * 1 * 2 and f"x reference[{servebench.REFERENCE}]" not in fig
+    each = [a / b for a, b in zip(servers["engine S=16"]["tok_s"], servers[servebench.REFERENCE]["tok_s"])]
+    assert fig["x reference[engine S=16]"] == pytest.approx(statistics.median(each))
+    assert fig["x reference_min[engine S=16]"] == pytest.approx(min(each))

@@ -444,6 +444,17 @@ def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():
     assert text.startswith("On EPYC (cpu), `olmoe-tiny-f32`, 8 clients at once: ")
     assert "engine S=16: latency p50 1.50 s, p99 2.25 s, 40.0 tok/s [38.0, 41.0], peak RSS 120 MB" in text
     assert "mlx_lm.server: latency p50 0.50 s, p99 0.75 s, 90.0 tok/s [80.0, 95.0]." in text
+    # against mlx_lm.server repetition by repetition, issue 48's target on the GPU's full-size model,
+    # the untimed first round (a fresh server compiling), and how many requests each was sent
+    more = {**figs, "x reference[engine S=16]": 0.33, "x reference_min[engine S=16]": 0.03,
+            "x reference_max[engine S=16]": 0.42, "warmup_s[engine S=16]": 45.25, "requests": 48}  # fmt: skip
+    gpu = ("gpu", "H100", "h", "serve", "olmoe-1b-7b-shape", None, 16, None, 16)
+    text = docblocks.serve_bench(bench_rows([(*gpu, k, v) for k, v in more.items()]))
+    assert "8 clients at once, 48 requests to each, every one answered: " in text
+    assert ("peak RSS 120 MB, 0.33× of mlx_lm.server [0.03, 0.42] (target 0.3 met within the spread), "
+            "first round (untimed) 45.2 s; mlx_lm.server") in text  # fmt: skip
+    text = docblocks.serve_bench(bench_rows([(*base, k, v) for k, v in more.items()]))
+    assert "0.33× of mlx_lm.server [0.03, 0.42], first round" in text and "target" not in text
 
 
 def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_its_ablation():
@@ -488,6 +499,13 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     both = bench_rows(rows + cpu)
     assert "EPYC" in docblocks.many_rows(both) and "EPYC" not in docblocks.many_rows(both, only_targets=True)
     assert "On EPYC (cpu)" in docblocks.many_rows(bench_rows(cpu), only_targets=True)
+    # a batch-only check on another card comes after the wide run, and speaks of no time to first token
+    check = [("gpu", "A100", "h", "batch", m, None, None, None, 64, f, v) for f, v in bat.items()]
+    text = docblocks.many_rows(bench_rows(rows + check), only_targets=True)
+    assert text.startswith("On H200 (gpu)") and text.index("On A100 (gpu)") > text.index("On H200 (gpu)")
+    assert text.count("time to first token") == 1
+    assert "On A100 (gpu), `olmoe-1b-7b-shape` (3 interleaved repeats, each against resident in the same repeat, " \
+        "[min, max]): `batch_generate`" in text  # fmt: skip
     # a run of two installs is read by the one `auto` gives on its machine, where it says which
     two = {"x resident[S=16/device@B4]": 0.5, "x resident[S=16/inplace@B4]": 0.8, "repeats": 3}
     said = {**two, "default[S=16/device]": 0.0, "default[S=16/inplace]": 1.0}

@@ -212,6 +212,8 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
     groups = list(b.groupby(["device", "chip", "model"], sort=True))
     if only_targets and any(_has_targets(d, m) for (d, _, m), _ in groups):
         groups = [((d, c, m), g) for (d, c, m), g in groups if _has_targets(d, m)]
+    # a run of many figures before a check of a few (the README's reads the widest first)
+    groups.sort(key=lambda kg: not (kg[1]["bench"] == "prefill").any())
     out = []
     for (device, chip, model), g in groups:
         targets = _has_targets(device, model)
@@ -266,9 +268,9 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
         parts.append("greedy tokens equal resident's in " + ("every run" if all(matched) else
                      f"{int(sum(matched))} of {len(matched)} configurations"))  # fmt: skip
         reps = int(fig.get("repeats", bfig.get("repeats", 0)))
+        ttft = "; time to first token by prompt tokens, as resident's time over the configuration's" if lengths else ""
         out.append(f"On {chip} ({device}), `{model}` ({reps} interleaved repeats, each against resident in the "
-                   "same repeat; time to first token by prompt tokens, as resident's time over the "
-                   "configuration's, [min, max]): " + "; ".join(parts) + ".")  # fmt: skip
+                   f"same repeat{ttft}, [min, max]): " + "; ".join(parts) + ".")  # fmt: skip
     return " ".join(out)
 
 
@@ -376,8 +378,8 @@ def _gb(x: float) -> str:
 
 def _card(fig: dict, gb: int) -> str | None:
     """The configuration of a `gb` GB budget in a run (named as engine.memory.fmt names it)."""
-    return next((f[len("tok_s[") : -1] for f in fig if f.startswith("tok_s[") and f[len("tok_s[") : -1]
-                 .replace(" GB", "").replace(".0", "") == str(gb)), None)  # fmt: skip
+    labels = (f[len("tok_s[") : -1] for f in fig if f.startswith("tok_s["))
+    return next((c for c in labels if re.fullmatch(r"\d+(\.\d*)? GB", c) and float(c[:-3]) == gb), None)
 
 
 def families_table(bench: pd.DataFrame) -> str:
@@ -635,8 +637,14 @@ def prediction_pays(online: pd.DataFrame, full: bool) -> str:
     return lead + ". ".join(out) + "."
 
 
+SERVE_TARGET = 0.3  # issue 48: 8 clients through `serve` on the GPU's full-size model, x mlx_lm.server
+
+
 def serve_bench(bench: pd.DataFrame) -> str:
-    """docs/serve.md's sentence on the latest `bench serve` of each machine kind."""
+    """docs/serve.md's sentence on the latest `bench serve` of each machine kind: each server's
+    latency, tok/s and memory; each engine server's speed against mlx_lm.server, repetition by
+    repetition (issue 48's target on a GPU's full-size model), and the untimed first round's wall
+    time where the run has one (a fresh server's kernel compilation)."""
     b = bench[bench["bench"] == "serve"]
     if not len(b):
         return "No `bench serve` is recorded yet (`python -m harness bench serve --record`)."
@@ -650,7 +658,16 @@ def serve_bench(bench: pd.DataFrame) -> str:
             each.append(f"{n}: latency p50 {fig[f'latency_p50_s[{n}]']:.2f} s, p99 {fig[f'latency_p99_s[{n}]']:.2f} s, "
                         f"{fig[f'tok_s[{n}]']:.1f} tok/s [{fig[f'tok_s_min[{n}]']:.1f}, {fig[f'tok_s_max[{n}]']:.1f}]"
                         + (f", peak RSS {rss / 1e6:.0f} MB" if rss else ""))  # fmt: skip
-        out.append(f"On {chip} ({device}), `{model}`, {int(fig['clients'])} clients at once: " + "; ".join(each) + ".")
+            if f"x reference[{n}]" in fig:
+                x = _verdict(fig, "x reference", n, SERVE_TARGET) if _has_targets(device, model) else (
+                    f"{fig[f'x reference[{n}]']:.2f}× [{fig[f'x reference_min[{n}]']:.2f}, "
+                    f"{fig[f'x reference_max[{n}]']:.2f}]")  # fmt: skip
+                each[-1] += f", {x.replace('×', '× of mlx_lm.server', 1)}"
+            if f"warmup_s[{n}]" in fig:
+                each[-1] += f", first round (untimed) {fig[f'warmup_s[{n}]']:.1f} s"
+        asked = f", {int(fig['requests'])} requests to each, every one answered" if "requests" in fig else ""
+        out.append(f"On {chip} ({device}), `{model}`, {int(fig['clients'])} clients at once{asked}: "
+                   + "; ".join(each) + ".")  # fmt: skip
     return " ".join(out)
 
 

@@ -530,7 +530,8 @@ def families(figdir):
     keys = sorted(b.groupby(["machine", "model"]).groups)
     cols = min(3, len(keys))
     rows = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows + 0.6), squeeze=False)
+    # at least 8 inches wide: the title and the legend span the figure, whatever the panels
+    fig, axes = plt.subplots(rows, cols, figsize=(max(8.0, 4.2 * cols), 3.4 * rows + 0.6), squeeze=False)
     for ax, (machine, model) in zip(axes.flat, keys):
         g = b[(b["machine"] == machine) & (b["model"] == model)]
         fig_ = _config_figures(g[g["run_id"] == g["run_id"].max()])
@@ -538,9 +539,15 @@ def families(figdir):
                          key=lambda c: fig_[f"memory_bytes[{c}]"])  # fmt: skip
         mem = [fig_[f"memory_bytes[{c}]"] / 1e9 for c in configs]
         tok = [fig_[f"tok_s[{c}]"] for c in configs]
-        err = [[fig_[f"tok_s[{c}]"] - fig_[f"tok_s_min[{c}]"] for c in configs],
-               [fig_[f"tok_s_max[{c}]"] - fig_[f"tok_s[{c}]"] for c in configs]]  # fmt: skip
-        ax.errorbar(mem, tok, yerr=err, marker="o", capsize=3, color="C0", label="offloaded (the default install)")
+        # the default install's configurations as one line; the pinned ablation as points of its own
+        styles = ((False, dict(marker="o", color="C0", label="offloaded (the default install)")),
+                  (True, dict(marker="s", color="C1", linestyle="none", label="pinned (ablation)")))  # fmt: skip
+        for pinned, style in styles:
+            mine = [i for i, c in enumerate(configs) if c.startswith("pinned ") == pinned]
+            if mine:
+                err = [[tok[i] - fig_[f"tok_s_min[{configs[i]}]"] for i in mine],
+                       [fig_[f"tok_s_max[{configs[i]}]"] - tok[i] for i in mine]]  # fmt: skip
+                ax.errorbar([mem[i] for i in mine], [tok[i] for i in mine], yerr=err, capsize=3, **style)
         for c, x, y in zip(configs, mem, tok):
             ax.annotate(c, (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
         res = fig_.get("tok_s[resident]")

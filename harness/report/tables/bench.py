@@ -27,6 +27,9 @@ def throughput_key(rec):
 
 # throughput_key's names read back: S=16/device@mlx-lm is S = 16 on the device install through
 # mlx-lm's generate_step; S=E is resident decoding by the engine (mlx-lm's own is `mlx-lm`).
+# The server `bench serve` sets each engine server against (harness.servebench.REFERENCE; a test
+# holds the two together: this layer imports no bench).
+REFERENCE_SERVER = "mlx_lm.server"
 CONFIG = re.compile(r"^S=(?P<slots>\d+|E)(?:/(?P<install>[a-z-]+))?(?P<loop>@mlx-lm)?$")
 
 
@@ -207,7 +210,14 @@ def bench_table(recs):
                 figs[f"tok_s_min[{k}]"], figs[f"tok_s_max[{k}]"] = min(v["tok_s"]), max(v["tok_s"])
                 if v["peak_rss_bytes"]:
                     figs[f"peak_rss_bytes[{k}]"] = v["peak_rss_bytes"]
-            figs["clients"] = res["clients"]
+                if "warmup_s" in v:
+                    figs[f"warmup_s[{k}]"] = v["warmup_s"]
+                ref = res["servers"].get(REFERENCE_SERVER)
+                if ref and k != REFERENCE_SERVER:  # each repetition's ratio: the servers ran in turn within it
+                    x = [a / b for a, b in zip(v["tok_s"], ref["tok_s"])]
+                    figs[f"x reference[{k}]"] = statistics.median(x)
+                    figs[f"x reference_min[{k}]"], figs[f"x reference_max[{k}]"] = min(x), max(x)
+            figs["clients"], figs["requests"] = res["clients"], res["clients"] * res["requests"] * res["repeats"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
     keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]
