@@ -19,6 +19,7 @@ machine already hold is not measured again (resumable), and `--clean` removes a 
 store once its record is written (the H200's disk holds one family at a time). Speed is reported,
 never asserted."""
 
+import gc
 import shutil
 import statistics
 import subprocess
@@ -69,6 +70,17 @@ def configurations(mid: str, fractions, budgets) -> tuple[dict, dict]:
     return out, skipped
 
 
+def release():
+    """Free what the configuration before held, before the next one's memory is read. An engine's
+    objects refer to each other (the device install's cache and its layers), so its arrays outlive
+    `close()` and `del` until the garbage collector runs. Left to chance, it can run during a later
+    configuration's load and take the earlier engine's bytes off that one's count: the likely cause
+    of one H100 run's same pinned configuration holding 9.2, 7.4 and 9.2 GB at its 8, 16 and 24 GB
+    budgets (`20261206T121437717Z-03eb37`)."""
+    gc.collect()
+    mx.clear_cache()
+
+
 def _engine_loop(model, ids, tokens: int, layers: int) -> dict:
     """One decode through the engine's loop (pipelined, as generate_step is): the bytes it read a
     token, where a token's time goes, and the host's own work a MoE layer: building the token's
@@ -101,13 +113,14 @@ def measure(a, mid: str) -> dict:
     least = plan(mid, [])["least"]
     del model
     ids = manyrows.long_ids(tok, prompt_tokens, a.set)
+    release()
     base = mx.get_active_memory()
     ref = registry.load_reference(mid)[0]
     manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
     resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None)
     results = {}
     for name, cfg in configs.items():
-        mx.clear_cache()
+        release()
         before = mx.get_active_memory()
         try:
             eng = load(mid, cfg)
@@ -148,7 +161,7 @@ def measure(a, mid: str) -> dict:
         finally:
             eng.close()
             del eng
-            mx.clear_cache()
+            release()
     res_tok_s = statistics.median(resident["tok_s"]) if resident["tok_s"] else None
     for r in results.values():  # the bus-bound limit of the bytes a token reads
         t_res = 1 / res_tok_s

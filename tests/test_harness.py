@@ -980,3 +980,31 @@ def test_bench_serve_sets_each_engine_server_against_mlx_lms_after_an_untimed_ro
     each = [a / b for a, b in zip(servers["engine S=16"]["tok_s"], servers[servebench.REFERENCE]["tok_s"])]
     assert fig["x reference[engine S=16]"] == pytest.approx(statistics.median(each))
     assert fig["x reference_min[engine S=16]"] == pytest.approx(min(each))
+
+
+def test_bench_families_frees_one_configuration_before_reading_the_next_ones_memory():
+    """A closed engine's arrays outlive `del` while its objects refer to each other, until the
+    garbage collector runs; `bench families` collects before it reads a configuration's memory, so
+    that no configuration's count depends on when the collector ran."""
+    import gc
+
+    import mlx.core as mx
+
+    from engine import EngineConfig, load
+    from harness import families
+
+    was = gc.isenabled()
+    gc.disable()  # the collector not running by chance between two configurations
+    try:
+        families.release()
+        base = mx.get_active_memory()
+        eng = load("olmoe-tiny-f32", EngineConfig(slots=16, install="device"))
+        mx.eval(eng.model.parameters())
+        assert mx.get_active_memory() > base
+        eng.close()
+        del eng
+        families.release()
+        assert mx.get_active_memory() == base
+    finally:
+        if was:
+            gc.enable()
