@@ -214,9 +214,9 @@ def bench_table(recs):
                     figs[f"warmup_s[{k}]"] = v["warmup_s"]
                 ref = res["servers"].get(REFERENCE_SERVER)
                 if ref and k != REFERENCE_SERVER:  # each repetition's ratio: the servers ran in turn within it
-                    x = [a / b for a, b in zip(v["tok_s"], ref["tok_s"])]
-                    figs[f"x reference[{k}]"] = statistics.median(x)
-                    figs[f"x reference_min[{k}]"], figs[f"x reference_max[{k}]"] = min(x), max(x)
+                    x = paired(v["tok_s"], ref["tok_s"])
+                    figs[f"x reference[{k}]"], figs[f"x reference_min[{k}]"] = x["median"], x["min"]
+                    figs[f"x reference_max[{k}]"] = x["max"]
             figs["clients"], figs["requests"] = res["clients"], res["clients"] * res["requests"] * res["repeats"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
