@@ -175,6 +175,12 @@ def add_args(p):
         "--clean", action="store_true", help="families: remove each family's model and store once it is recorded"
     )
     p.add_argument(
+        "--exactness",
+        action="store_true",
+        help="families: run each family's full-size exactness test (tests/test_exactness.py) on the built model "
+        "and record its outcome",
+    )
+    p.add_argument(
         "--record", action="store_true", help="also write the result as a raw record under results/raw/bench/<which>/"
     )
 

@@ -16,15 +16,20 @@ a token over the larger of resident's time and the bus's time for the bytes.
 Several families run one per process (`python -m harness bench families --model ID`), so that each
 starts with the device's memory free; with `--record`, a family whose record this commit and
 machine already hold is not measured again (resumable), and `--clean` removes a family's model and
-store once its record is written (the H200's disk holds one family at a time). Speed is reported,
-never asserted."""
+store once its record is written (the H200's disk holds one family at a time). With `--exactness`,
+the family's full-size exactness test of the GPU suite (tests/test_exactness.py) runs on the built
+model before `--clean` removes it, and its outcome goes in the record: the suite itself never has
+a family built. Each configuration says when it starts and what it took, so that a run cut short
+says where its time went. Speed is reported, never asserted."""
 
 import gc
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -34,7 +39,7 @@ from engine.models import registry
 from engine.runtime.engine import open_store
 from engine.runtime.loop import call_split, decode, time_split, totals
 
-from . import manyrows, provenance, rawlog, records
+from . import manyrows, provenance, rawlog, records, suite
 from .bus import bus_gb_s
 from .report.tables.common import paired
 
@@ -81,6 +86,42 @@ def release():
     mx.clear_cache()
 
 
+def say(mid: str, since: float, what: str):
+    print(f"[titan] {mid} +{time.perf_counter() - since:.0f} s: {what}", file=sys.stderr, flush=True)
+
+
+EXACTNESS_TEST = (
+    "tests/test_exactness.py::test_each_family_at_full_size_gives_mlx_lms_logits_at_a_quarter_of_its_experts"
+)
+
+
+def exactness(mid: str, root=None) -> dict:
+    """The family's full-size exactness test (EXACTNESS_TEST[mid]) in a pytest process of its own,
+    on the model this run built: its outcome, message or skip reason, seconds, and the `engine/`
+    tree it ran on. Needs the repository's tests/ (a checkout, not an installed wheel)."""
+    root = Path(root or provenance.REPO_ROOT)
+    test = f"{EXACTNESS_TEST}[{mid}]"
+    if not (root / test.split("::")[0]).is_file():
+        raise FileNotFoundError(f"--exactness runs {test.split('::')[0]} of the repository: {root} has none")
+    with tempfile.TemporaryDirectory(prefix="titan-exact-") as tmp:
+        xml = Path(tmp) / "report.xml"
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", test]
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        found = suite.parse_junit([xml]) if xml.exists() else None
+    if not found or found["tests"] != 1:
+        outcome, message = "error", f"pytest ran no such test (exit {r.returncode}): {(r.stdout + r.stderr)[-400:]}"
+    elif found["passed"]:
+        outcome, message = "passed", ""
+    elif found["skipped"]:
+        outcome, message = "skipped", found["skips"][0]["reason"]
+    else:
+        outcome, message = "failed", found["failures"][0]["message"]
+    return dict(test=test, outcome=outcome, message=message, seconds=round(seconds, 1),
+                engine_tree=suite.tree_hash(root / "engine"))  # fmt: skip
+
+
 def _engine_loop(model, ids, tokens: int, layers: int) -> dict:
     """One decode through the engine's loop (pipelined, as generate_step is): the bytes it read a
     token, where a token's time goes, and the host's own work a MoE layer: building the token's
@@ -96,6 +137,7 @@ def _engine_loop(model, ids, tokens: int, layers: int) -> dict:
 def measure(a, mid: str) -> dict:
     """One family: everything of the module docstring, as one record's result."""
     started = time.perf_counter()
+    say(mid, started, "building the model if absent")
     spec = registry.get_spec(mid)
     t0 = time.perf_counter()
     registry.model_dir(mid)  # built here if absent, with its progress
@@ -112,6 +154,7 @@ def measure(a, mid: str) -> dict:
     store.close()
     least = plan(mid, [])["least"]
     del model
+    say(mid, started, f"built ({build_s:.0f} s), store ({store_s:.0f} s); resident, {len(configs)} configurations next")
     ids = manyrows.long_ids(tok, prompt_tokens, a.set)
     release()
     base = mx.get_active_memory()
@@ -119,8 +162,9 @@ def measure(a, mid: str) -> dict:
     manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
     resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None)
     results = {}
-    for name, cfg in configs.items():
+    for i, (name, cfg) in enumerate(configs.items()):
         release()
+        say(mid, started, f"configuration {i + 1} of {len(configs)}: {name}")
         before = mx.get_active_memory()
         try:
             eng = load(mid, cfg)
@@ -158,6 +202,9 @@ def measure(a, mid: str) -> dict:
                 device_memory_bytes=held + runs["grew"],
                 **loop,
             )
+            r = results[name]
+            say(mid, started, f"{name}: {r['tok_s']['median']:.1f} tok/s, x{r['x_resident']['median']:.2f} of "
+                f"resident, tokens {'= resident' if r['tokens_match'] else 'DIFFER'}")  # fmt: skip
         finally:
             eng.close()
             del eng
@@ -208,6 +255,10 @@ def show(out: dict):
               f"{'= resident' if r['tokens_match'] else 'DIFFER'}")  # fmt: skip
     for k, why in out["skipped"].items():
         print(f"  {k:12s} not measured: {why}")
+    if "exactness" in out:
+        e = out["exactness"]
+        why = f": {e['message']}" if e["message"] else ""
+        print(f"  full-size exactness: {e['outcome']} in {e['seconds']:.0f} s{why}")
 
 
 def planned(a) -> list:
@@ -254,8 +305,17 @@ def clean(mid: str):
 
 def families(a):
     """`bench families`: one family in this process (`--model`), or each of them in its own."""
+    wanted = [a.model] if a.model is not None else (a.families or default_models())
+    tested = set(default_models())  # the exactness test's parameters: every shape that mirrors a checkpoint
+    for mid in wanted if a.exactness else []:
+        if mid not in tested:
+            raise SystemExit(f"bench families --exactness: {mid} has no full-size exactness test (the families that "
+                             f"have one: {', '.join(sorted(tested))})")  # fmt: skip
     if a.model is not None:
         out = measure(a, a.model)
+        if a.exactness:  # on the model just built, before --clean removes it
+            release()
+            out["exactness"] = exactness(a.model)
         show(out)
         return out
     passed = ["--tokens", str(a.tokens), "--repeats", str(a.repeats), "--set", a.set,
@@ -264,8 +324,9 @@ def families(a):
     passed += ["--prompt-tokens", str(a.prompt_tokens)] if a.prompt_tokens else []
     passed += ["--record"] if a.record else []
     passed += ["--clean"] if a.clean else []
+    passed += ["--exactness"] if a.exactness else []
     failed = []
-    for mid in a.families or default_models():
+    for mid in wanted:
         done = recorded(mid) if a.record else None
         if done:
             print(f"[titan] {mid}: recorded at this commit on this machine already ({done})", file=sys.stderr,

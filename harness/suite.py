@@ -38,6 +38,15 @@ SPLIT = (
     "tests/test_serve.py",
 )
 TOGETHER = ("tests/test_workflow.py", "tests/test_harness.py", "tests/test_cli.py")
+# The files whose tests run the engine on the device (exactness at every install and architecture,
+# the kernels, the installs, the server): a GPU run of these (`--gpu-files`) is what says an
+# `engine/` tree is exact on CUDA. The rest test the harness, the workflow and the CLI's text,
+# which the CPU's CI covers; on a GPU they add minutes and nothing the device decides.
+GPU_FILES = tuple(
+    f"tests/test_{name}.py"
+    for name in ("exactness", "devicemap", "staging", "device", "kernels", "use", "slots", "serve", "threads",
+                 "trained", "prefetch", "architectures", "store", "options", "registry", "layout")
+)  # fmt: skip
 IGNORED_PARTS = ("__pycache__",)
 
 
@@ -231,13 +240,25 @@ def keep_failed_logs(work: Path, failed: list, root, name: str) -> Path | None:
     return keep
 
 
+def covers_gpu_files(pytest_args: list) -> bool:
+    """Whether a run given `pytest_args` ran every test of GPU_FILES: the whole suite or every one
+    of those files, with no test picked out of them (`-k`, `-m`, `FILE::TEST`)."""
+    if any(a.split("=")[0] in ("-k", "-m", "--deselect") or "::" in a for a in pytest_args):
+        return False
+    paths = {a.rstrip("/") for a in pytest_args if not a.startswith("-")}
+    return not paths or "tests" in paths or set(GPU_FILES) <= paths
+
+
 def passing_record(tree: str, raw=None, device="gpu") -> dict | None:
-    """The latest record of a suite run on `device` over engine tree `tree` with no failure."""
+    """The latest record of a suite run on `device` over engine tree `tree` with no failure that
+    ran every GPU file (a check of one fix, one test file or one family is not the tree's record)."""
     folder = Path(raw or rawlog.RAW) / GATE / EXPERIMENT
     recs = [
         r
         for r in (records.read([folder]) if folder.exists() else [])
-        if r["device"] == device and r["result"]["engine_tree"] == tree
+        if r["device"] == device
+        and r["result"]["engine_tree"] == tree
+        and covers_gpu_files(r["config"].get("pytest_args") or ["tests"])
     ]
     recs = [r for r in recs if not r["result"]["failed"] and not r["result"]["errors"] and r["result"]["passed"]]
     return max(recs, key=lambda r: r["finished_utc"]) if recs else None
@@ -254,7 +275,8 @@ def check_line(root=provenance.REPO_ROOT, raw=None) -> str:
             f"({r['passed']} passed, {r['skipped']} skipped; {rec['_file']})"
         )
     return (
-        f"WARNING: engine/ tree {tree[:12]} has no passing GPU test record: run `scripts/device_gpu.sh OUT tests` "
+        f"WARNING: engine/ tree {tree[:12]} has no passing GPU test record of every GPU file: run "
+        "`scripts/device_gpu.sh OUT tests` "
         "on a CUDA GPU and commit its record (docs/gpu.md, 'The test suite on a GPU')"
     )
 
@@ -265,6 +287,9 @@ def add_args(p):
     p.add_argument(
         "--check", action="store_true", help="print whether the landed engine/ tree has a passing GPU record"
     )
+    p.add_argument(
+        "--gpu-files", action="store_true", help="run the test files that exercise the engine on a device (GPU_FILES)"
+    )
     p.add_argument("pytest_args", nargs="*", help="what pytest is given (default: the whole suite)")
 
 
@@ -274,7 +299,10 @@ def main(a):
         return
     if a.shards < 1:
         raise ValueError(f"--shards must be at least 1, not {a.shards}")
-    result, path = run(a.pytest_args or ["tests"], a.shards, record=not a.no_record)
+    if a.gpu_files and a.pytest_args:
+        raise ValueError("--gpu-files names the test files itself: give it no test paths")
+    args = list(GPU_FILES) if a.gpu_files else (a.pytest_args or ["tests"])
+    result, path = run(args, a.shards, record=not a.no_record)
     print(
         f"[suite] {result['passed']} passed, {result['failed']} failed, {result['errors']} errors, "
         f"{result['skipped']} skipped, {result['xfailed']} xfailed in {result['seconds']} s; engine/ tree "

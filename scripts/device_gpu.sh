@@ -5,7 +5,8 @@
 # run the same steps.
 #
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
-#   steps: tests (the whole test suite in SHARDS processes, default 8, or the TESTS named, recorded as
+#   steps: tests (the GPU files of the test suite, harness/suite.py's GPU_FILES, in SHARDS processes,
+#   default 8, or the TESTS named, recorded as
 #   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), tests2 (the test files TESTS2
 #   names, a second record: a suite split in two where device time is short), build (the full-size model and its
 #   store), miss, throughput, prefetch, fitted (prefetch with the fitted predictors and the
@@ -17,7 +18,8 @@
 #   batch16 (bench batch at S = 16 with the default install and the bus's limit; needs build),
 #   manyrows (bench prefill and bench batch: the device install at S = 8, 16, 32 with and without the
 #   next layer's area copied ahead, and pinned at S = 16, each beside resident; needs build),
-#   families (bench families --record --clean: issue 49's shapes, FAMILIES picks and orders them),
+#   families (bench families --record --clean --exactness: issue 49's shapes, FAMILIES picks and
+#   orders them, FAMILY_REPEATS sets their repeats),
 #   serve (bench serve: the engine's server batched and one at a time beside mlx_lm.server),
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
@@ -122,7 +124,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 export TITAN_SUITE_REPORTS=${TITAN_SUITE_REPORTS:-results/logs/suite-reports}
 for step in "$@"; do
   case $step in
-    tests) run $py -m harness suite --shards "${SHARDS:-8}" ${TESTS:-tests} ;;  # the record: results/raw/tests/suite
+    tests) run $py -m harness suite --shards "${SHARDS:-8}" ${TESTS:---gpu-files} ;;  # the record: results/raw/tests/suite
     tests2) run $py -m harness suite --shards "${SHARDS:-8}" $TESTS2 ;;  # the rest of TESTS, when a session's
             # device time may end mid-suite: the first record stands whether or not this one comes
     build) run $py -m engine store build $full ;;
@@ -161,8 +163,11 @@ for step in "$@"; do
           run $py -m harness bench batch --model $full --slots 16 --installs pinned --batches 4 16 --repeats 1 \
             --tokens 32 --record ;;
     families)  # issue 49: each family's shape at its real size, one a process, built, measured, removed;
-               # FAMILIES="id ..." picks them in that order (default: every family, fewest layers first)
-          run $py -m harness bench families --record --clean ${FAMILIES:+--families $FAMILIES} ;;
+               # FAMILIES="id ..." picks them in that order (default: every family, fewest layers first),
+               # FAMILY_REPEATS the repeats against resident (default the bench's); each family's
+               # full-size exactness test runs on its model before it is removed
+          run $py -m harness bench families --record --clean --exactness ${FAMILIES:+--families $FAMILIES} \
+            ${FAMILY_REPEATS:+--repeats $FAMILY_REPEATS} ;;
     serve)  # issue 48: the engine's server batched and one at a time beside mlx_lm.server, 8 clients
           run $py -m harness bench serve --model $full --slots 16 --clients 8 --requests 2 --tokens 32 \
             --repeats 3 --record ;;

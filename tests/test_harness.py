@@ -15,7 +15,8 @@ import pytest
 import yaml
 from conftest import ROOT, job_stats, snakemake
 
-from harness import provenance, rawlog, records
+from harness import provenance, rawlog, records, suite
+from harness.__main__ import main as harness_main
 from harness.report import aggregate, claims_check, compare_runs, plotting
 from harness.report.tables import bench as bench_tables
 from harness.report.tables import online as online_tables
@@ -936,6 +937,8 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     quarter = res["configurations"]["25%"]
     assert quarter["slots"] == 32 and quarter["tokens_match"] and quarter["tok_s"]["n"] == 2
     assert 0 < quarter["limit_x_resident"] <= 1 and res["bus"]["gb_s"] > 0 and res["least_budget_bytes"] > 1e6
+    with pytest.raises(SystemExit, match="qwen3moe-tiny has no full-size exactness test"):  # before it builds
+        harness_main(cmd[cmd.index("bench") :] + ["--exactness"])
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert again.returncode == 0 and "qwen3moe-tiny: recorded at this commit on this machine already" in again.stderr
     assert len(records.read([tmp_path / "raw" / "bench" / "families"])) == 1
@@ -953,6 +956,35 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     table.to_csv(figdir / "tables" / "bench.csv", index=False)
     plotting.families(figdir)
     assert (figdir / "families.png").stat().st_size > 10_000
+
+
+def test_a_familys_exactness_outcome_is_pytests_for_that_one_test(tmp_path):
+    """`bench families --exactness` records what pytest found for the family's own test: passed,
+    failed with its message, or an error naming the test where pytest ran none; the docs' table
+    says whether it passed."""
+    from harness import families
+    from harness.report import docblocks
+
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "x.py").write_text("")
+    name = families.EXACTNESS_TEST.split("::")[1]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_exactness.py").write_text(
+        "import pytest\n"
+        f"@pytest.mark.parametrize('model_id', ['good', 'bad'])\ndef {name}(model_id):\n"
+        "    assert model_id == 'good', 'logits differ'\n"
+    )
+    good, bad, none = (families.exactness(m, root=tmp_path) for m in ("good", "bad", "absent"))
+    assert good["outcome"] == "passed" and good["engine_tree"] == suite.tree_hash(tmp_path / "engine")
+    assert bad["outcome"] == "failed" and "logits differ" in bad["message"]
+    assert none["outcome"] == "error" and "no such test" in none["message"]
+    with pytest.raises(FileNotFoundError, match="tests/test_exactness.py"):
+        families.exactness("good", root=tmp_path / "engine")
+    fig = dict(layers=2, experts=8, repeats=1, bus_gb_s=1.0, exact_full_size=0.0, **{"memory_bytes[resident]": 1.0})
+    fig["tok_s[resident]"] = 1.0
+    table = pd.DataFrame([dict(bench="families", device="cpu", chip="c", model="m", run_id="r", commit="k",
+                               figure=f, value=v) for f, v in fig.items()])  # fmt: skip
+    assert "`[m]`, logits at 25 % of the experts against mlx-lm's) FAILED" in docblocks.families_detail(table)
 
 
 def test_bench_serve_sets_each_engine_server_against_mlx_lms_after_an_untimed_round_at_the_same_load(tmp_path):

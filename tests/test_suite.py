@@ -3,6 +3,7 @@ a sharded run keeps files whole (but the independent ones) and reports every fai
 line says whether the landed tree has a passing GPU record, and the README's sentence on it is
 generated from the records (harness/report/docblocks.py)."""
 
+import argparse
 import json
 import re
 import subprocess
@@ -119,11 +120,13 @@ def test_a_run_records_every_failure_by_name_and_the_tree(tmp_path):
     assert "one is not two" in log.read_text() and "assert 1 == 2" in log.read_text()
 
 
-def _record(raw, tree, device="gpu", failed=0):
+def _record(raw, tree, device="gpu", failed=0, args=("tests",)):
     res = dict(passed=10, failed=failed, errors=0, skipped=1, xfailed=0, tests=11, seconds=1.0, shards=1)
     res.update(failures=[dict(test="tests/test_x.py::test_y", message="boom")] * failed, skips=[], engine_tree=tree)
     res.update(engine_tree_committed=tree, exit_codes=[int(bool(failed))])
-    return rawlog.write_run("tests", "suite", [res], config={}, seed=None, started="2026-12-02T00:00:00.000Z", root=raw)
+    config = dict(pytest_args=list(args), shards=1)
+    return rawlog.write_run("tests", "suite", [res], config=config, seed=None, started="2026-12-02T00:00:00.000Z",
+                            root=raw)  # fmt: skip
 
 
 def test_tests_not_run_after_a_device_fault_are_told_from_failures(tmp_path):
@@ -160,6 +163,8 @@ def test_ci_says_whether_the_landed_tree_has_a_passing_gpu_record(tmp_path, monk
     assert suite.check_line(raw=tmp_path).startswith("WARNING: engine/ tree")
     _record(tmp_path, tree, failed=1)  # a failing run does not count
     _record(tmp_path, "0" * 40)  # nor a passing run of another tree
+    _record(tmp_path, tree, args=suite.GPU_FILES[:3])  # nor a check of a few files
+    _record(tmp_path, tree, args=[*suite.GPU_FILES, "-k", "slots"])  # nor of some tests of each
     line = suite.check_line(raw=tmp_path)
     assert line.startswith("WARNING") and "scripts/device_gpu.sh" in line
     path = _record(tmp_path, tree)
@@ -168,6 +173,27 @@ def test_ci_says_whether_the_landed_tree_has_a_passing_gpu_record(tmp_path, monk
         assert suite.check_line(raw=tmp_path).startswith("WARNING")
         monkeypatch.setattr(suite, "passing_record", lambda t, raw=None, device="gpu": dict(rec, _file=str(path)))
     assert suite.check_line(raw=tmp_path).startswith(f"GPU tests: engine/ tree {tree[:12]} passed")
+
+
+def test_a_run_counts_for_its_tree_only_where_it_ran_every_gpu_file():
+    assert suite.covers_gpu_files(["tests"]) and suite.covers_gpu_files(["tests/", "-x"])
+    assert suite.covers_gpu_files(list(suite.GPU_FILES)) and suite.covers_gpu_files([*suite.GPU_FILES, "-v"])
+    assert not suite.covers_gpu_files(list(suite.GPU_FILES[1:]))
+    assert not suite.covers_gpu_files([*suite.GPU_FILES, "-k", "not slow"])
+    assert not suite.covers_gpu_files(["tests/test_exactness.py::test_cold_tier_bit_identical", *suite.GPU_FILES])
+    for f in suite.GPU_FILES:  # each names a file of the suite
+        assert (ROOT / f).is_file(), f
+
+
+def test_gpu_files_runs_them_and_takes_no_paths(monkeypatch):
+    seen = []
+    ran = dict(passed=1, failed=0, errors=0, skipped=0, xfailed=0, seconds=0.1, engine_tree="a" * 40, failures=[])
+    monkeypatch.setattr(suite, "run", lambda args, n, record: (seen.append(args), (ran, None))[1])
+    a = argparse.Namespace(check=False, shards=1, no_record=True, gpu_files=True, pytest_args=[])
+    suite.main(a)
+    assert seen == [list(suite.GPU_FILES)]
+    with pytest.raises(ValueError, match="--gpu-files"):
+        suite.main(argparse.Namespace(**{**vars(a), "pytest_args": ["tests/test_use.py"]}))
 
 
 def test_a_pages_generated_block_is_rewritten_and_nothing_else(tmp_path):

@@ -468,6 +468,11 @@ def families_detail(bench: pd.DataFrame) -> str:
                        f"{_gb(fig[f'memory_bytes[{c}]'])} ({fig[f'memory x resident[{c}]']:.2f}×) | "
                        f"{fig[f'bytes_read_per_token[{c}]'] / 1e6:.1f} MB | {fig[f'host_ms_per_layer[{c}]']:.3f} ms | "
                        f"{'= resident' if fig[f'tokens_match[{c}]'] else 'DIFFER'} |")  # fmt: skip
+        if "exact_full_size" in fig:
+            out.append("")
+            out.append(f"Its full-size exactness test (`tests/test_exactness.py`, `[{model}]`, logits at 25 % of the "
+                       f"experts against mlx-lm's) {'passed' if fig['exact_full_size'] else 'FAILED'} on this "
+                       f"run's model.")  # fmt: skip
         if gpu and "x resident[25%]" in fig:
             said = []
             t = FAMILY_RESIDENT_TARGET.get(model)

@@ -114,6 +114,10 @@ def families_figures(res: dict) -> dict:
         figs[f"host_ms_per_layer[{k}]"] = c["host_ms_per_layer"]
         figs[f"slots[{k}]"] = c["slots"]
         figs[f"tokens_match[{k}]"] = float(c["tokens_match"])
+    if "exactness" in res:  # the full-size exactness test on this run's model: 1 passed, 0 not (absent: skipped)
+        e = res["exactness"]["outcome"]
+        if e != "skipped":
+            figs["exact_full_size"] = float(e == "passed")
     figs.update(least_budget_bytes=res["least_budget_bytes"], weights_bytes=res["weights_bytes"],
                 bus_gb_s=res["bus"]["gb_s"], repeats=res["repeats"], experts=res["shape"]["experts"],
                 layers=res["shape"]["layers"])  # fmt: skip
