@@ -53,26 +53,38 @@ def default_models() -> list:
     return sorted((m for m, s in specs.items() if s.get("mirrors")), key=lambda m: (registry.shape(m)["layers"], m))
 
 
-def configurations(mid: str, fractions, budgets) -> tuple[dict, dict]:
-    """({name: EngineConfig} to measure, {name: why it is not}) for one family."""
+def configurations(mid: str, fractions, budgets) -> tuple[dict, dict, dict]:
+    """({name: EngineConfig} to measure, {name: why it is not}, {name: the measured budget whose
+    plan it shares}) for one family. Budgets that plan the same slots and install (a family that
+    fits whole in 16 and in 24 GB) load the same engine: it is measured once, for the first."""
     shape = registry.shape(mid)
     E, K = shape["experts"], shape["top_k"]
-    out, skipped = {}, {}
+    out, skipped, same = {}, {}, {}
     for f in fractions:
         name, s = f"{100 * f:g}%", round(f * E)
         if s < K:
             skipped[name] = f"{s} of {E} experts is below top_k {K}"
         else:
             out[name] = EngineConfig(slots=min(s, E))
+    planned, first = plan(mid, budgets)["budgets"] if budgets else {}, {}
     for b in budgets:
-        out[memory.fmt(b)] = EngineConfig(memory=b)
+        name, q = memory.fmt(b), planned[b]
+        if not isinstance(q, memory.Plan):  # a budget that cannot hold the family, said as load says it
+            skipped[name] = q
+            continue
+        key = (q.slots, q.install)
+        if key in first:
+            same[name] = first[key]
+        else:
+            first[key] = name
+            out[name] = EngineConfig(memory=b)
     why = device.pinned_unavailable()
     name, s = f"pinned {100 * PINNED_FRACTION:g}%", max(K, round(PINNED_FRACTION * E))
     if why is None:
         out[name] = EngineConfig(slots=s, install="pinned")
     else:
         skipped[name] = why
-    return out, skipped
+    return out, skipped, same
 
 
 def release():
@@ -145,7 +157,7 @@ def measure(a, mid: str) -> dict:
     context = registry.context_of(mid)
     prompt_tokens = min(a.prompt_tokens or 2048, context - a.tokens - 1)
     budgets = [gb * 10**9 for gb in BUDGETS_GB] if a.budgets is None else a.budgets
-    configs, skipped = configurations(mid, a.fractions, budgets)
+    configs, skipped, same = configurations(mid, a.fractions, budgets)
     model, tok, _, path = registry.load(mid, lazy=True)
     t0 = time.perf_counter()
     store = open_store(mid, model, path)  # built here if absent
@@ -209,6 +221,11 @@ def measure(a, mid: str) -> dict:
             eng.close()
             del eng
             release()
+    for name, first in same.items():  # the same engine as a budget measured above
+        if first in results:
+            results[name] = dict(results[first], same_as=first)
+        else:
+            skipped[name] = skipped.get(first, "not measured")
     res_tok_s = statistics.median(resident["tok_s"]) if resident["tok_s"] else None
     for r in results.values():  # the bus-bound limit of the bytes a token reads
         t_res = 1 / res_tok_s
@@ -252,7 +269,8 @@ def show(out: dict):
               f"({r['x_limit']:.2f} of it); TTFT {1e3 * r['ttft_s']['median']:.0f} ms; "
               f"{r['device_memory_bytes'] / 1e9:.2f} GB; {r['bytes_read_per_token'] / 1e6:.1f} MB read a token; "
               f"host {r['host_ms_per_layer']:.3f} ms a layer; tokens "
-              f"{'= resident' if r['tokens_match'] else 'DIFFER'}")  # fmt: skip
+              f"{'= resident' if r['tokens_match'] else 'DIFFER'}" + (f" (the engine of {r['same_as']})"
+              if "same_as" in r else ""))  # fmt: skip
     for k, why in out["skipped"].items():
         print(f"  {k:12s} not measured: {why}")
     if "exactness" in out:

@@ -922,8 +922,8 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     The record then makes the README's table row, docs/gpu.md's table and the figure."""
     env = dict(os.environ, TITAN_RESOURCES=str(tmp_path / "res"), TITAN_RAW=str(tmp_path / "raw"))
     cmd = [sys.executable, "-m", "harness", "bench", "families", "--families", "qwen3moe-tiny", "--fractions",
-           "0.25", "--budgets", "12MB", "1MB", "--repeats", "2", "--tokens", "3", "--prompt-tokens", "24", "--record",
-           "--clean"]  # fmt: skip
+           "0.25", "--budgets", "20MB", "1MB", "24MB", "--repeats", "2", "--tokens", "3", "--prompt-tokens", "24",
+           "--record", "--clean"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokens = resident" in r.stdout and "DIFFER" not in r.stdout
@@ -932,7 +932,9 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     recs = records.read([tmp_path / "raw" / "bench" / "families"])
     assert len(recs) == 1
     res = recs[0]["result"]
-    assert set(res["configurations"]) == {"25%", "12.0 MB"}
+    assert set(res["configurations"]) == {"25%", "20.0 MB", "24.0 MB"}
+    # a budget planning the same engine as one before it (every expert) is that engine's measurement, said so
+    assert res["configurations"]["24.0 MB"] == dict(res["configurations"]["20.0 MB"], same_as="20.0 MB")
     assert "cannot hold this model" in res["skipped"]["1.0 MB"] and "pinned 25%" in res["skipped"]
     quarter = res["configurations"]["25%"]
     assert quarter["slots"] == 32 and quarter["tokens_match"] and quarter["tok_s"]["n"] == 2
@@ -946,7 +948,7 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     from harness.report import docblocks
 
     table = bench_tables.bench_table(recs)
-    row = docblocks.families_table(table)  # measured, no plan: its 12 MB budget is not a 16 GB card's
+    row = docblocks.families_table(table)  # measured, no plan: its budgets are not a 16 GB card's
     assert "| `qwen3moe-tiny` |" in row and "| least budget |" in row and "no 16 GB budget in its run" in row
     assert docblocks.families_table(table.iloc[:0]).startswith("No `bench plan` or `bench families` is recorded yet")
     detail = docblocks.families_detail(table)
