@@ -907,6 +907,11 @@ def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it
 def test_the_readme_finds_a_runs_16_gb_budget_however_its_label_is_written():
     from harness.report import docblocks
 
+    assert [
+        docblocks.card_name(c)
+        for c in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GeForce RTX 4090", "Apple M2 Max")
+    ] == ["H100", "H200", "GeForce RTX 4090", "Apple M2 Max"]
+
     fig = {f"tok_s[{c}]": 1.0 for c in ("resident", "25%", "pinned 25%", "1.60 GB", "160.00 GB", "16.00 GB")}
     assert docblocks._card(fig, 16) == "16.00 GB"  # the label `bench families` writes on a GPU
     assert docblocks._card({"tok_s[16 GB]": 1.0}, 16) == "16 GB"
@@ -950,6 +955,10 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     table = bench_tables.bench_table(recs)
     row = docblocks.families_table(table)  # measured, no plan: its budgets are not a 16 GB card's
     assert "| `qwen3moe-tiny` |" in row and "| least budget |" in row and "no 16 GB budget in its run" in row
+    assert "DIFFER" not in row
+    differ = table.copy()  # a configuration whose tokens were not resident's shows in the family's row
+    differ.loc[differ["figure"] == "tokens_match[25%]", "value"] = 0.0
+    assert "no 16 GB budget in its run, tokens DIFFER |" in docblocks.families_table(differ)
     assert docblocks.families_table(table.iloc[:0]).startswith("No `bench plan` or `bench families` is recorded yet")
     detail = docblocks.families_detail(table)
     assert "| 25% | 32 |" in detail and "= resident" in detail and "(target" not in detail  # targets: a GPU's

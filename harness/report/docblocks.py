@@ -382,6 +382,13 @@ def _card(fig: dict, gb: int) -> str | None:
     return next((c for c in labels if re.fullmatch(r"\d+(\.\d*)? GB", c) and float(c[:-3]) == gb), None)
 
 
+def card_name(chip: str) -> str:
+    """A GPU's name as a table cell names it: `NVIDIA H100 80GB HBM3` is the H100 (the full name
+    stays in docs/gpu.md's tables and in every record)."""
+    words = [w for w in chip.split() if w != "NVIDIA" and not re.fullmatch(r"\d+GB|HBM\w*|PCIe|SXM\d*|NVL", w)]
+    return " ".join(words) or chip
+
+
 def families_table(bench: pd.DataFrame) -> str:
     """The README's table, one row per family: its weights, what decoding with every expert in
     memory takes, the least budget that decodes, the experts a layer a 16 GB card holds and the
@@ -393,8 +400,8 @@ def families_table(bench: pd.DataFrame) -> str:
                 "each family for cards, `bench families --record --clean` measures them on this machine.")  # fmt: skip
     cards = _plan_cards(plans)
     models = list(plans) + sorted({m for (_, _, m), *_ in runs} - set(plans))
-    out = ["| family | weights | resident | least budget | experts a layer, 16 GB | cards that hold it | at 16 GB |",
-           "| --- " * 7 + "|"]  # fmt: skip
+    out = ["| family | weights | resident | least budget | experts a layer, 16 GB | cards that hold it "
+           "| at 16 GB: tok/s (× resident) |", "| --- " * 7 + "|"]  # fmt: skip
     bound = []
     for model in models:
         plan = plans.get(model, {})
@@ -405,19 +412,21 @@ def families_table(bench: pd.DataFrame) -> str:
         speed = []
         for chip, fig in measured:
             card = _card(fig, 16)
-            speed.append(f"{chip}: " + (f"{fig[f'tok_s[{card}]']:.1f} tok/s, {fig[f'x resident[{card}]']:.2f}× resident"
-                                        if card else "no 16 GB budget in its run"))  # fmt: skip
+            speed.append(f"{card_name(chip)}: " + (f"{fig[f'tok_s[{card}]']:.1f} ({fig[f'x resident[{card}]']:.2f}×)"
+                                                   if card else "no 16 GB budget in its run"))  # fmt: skip
+            if any(f.startswith("tokens_match[") and not v for f, v in fig.items()):
+                speed[-1] += ", tokens DIFFER"
             limits = {c: fig[f"limit x resident[{c}]"] for c in FRACTIONS if f"limit x resident[{c}]" in fig}
             if limits and min(limits.values()) < 1:
                 worst = min(limits, key=limits.get)
-                bound.append(f"`{model}` on {chip} (at {worst} of its experts the bytes a token reads cap it at "
-                             f"{limits[worst]:.2f}× of resident)")  # fmt: skip
+                bound.append(f"`{model}` on the {card_name(chip)}, {limits[worst]:.2f}× at {worst}")
         resident = plan.get("resident_bytes") or max(fig["memory_bytes[resident]"] for _, fig in measured)
         out.append(f"| `{model}` | {_gb(some['weights_bytes'])} | {_gb(resident)} | {_gb(some['least_budget_bytes'])} "
                    f"| {at16} | {f'{held[0]} and up' if held else ''} | {'; '.join(speed) or 'not yet'} |")  # fmt: skip
     text = "\n".join(out)
     if bound:
-        text += "\n\nBound by the bus: " + "; ".join(bound) + "."
+        text += ("\n\nBound by the bus (the bytes a token reads at its fewest experts cap it at this multiple of "
+                 "resident): " + "; ".join(bound) + ".")  # fmt: skip
     return text
 
 
