@@ -172,7 +172,7 @@ def measure(a, mid: str) -> dict:
     base = mx.get_active_memory()
     ref = registry.load_reference(mid)[0]
     manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
-    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None)
+    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None, runs=set())
     results = {}
     for i, (name, cfg) in enumerate(configs.items()):
         release()
@@ -186,7 +186,7 @@ def measure(a, mid: str) -> dict:
         try:
             manyrows.first_token(eng.model, ids[:64], 2)
             held = mx.get_active_memory() - before  # its weights and slot tables (the host tier is not MLX's)
-            runs = dict(ttft=[], tok_s=[], match=[], grew=0)
+            runs = dict(ttft=[], tok_s=[], match=[], first=[], grew=0)
             for r in range(a.repeats):
                 order = [("resident", ref), (name, eng.model)]
                 pair = {}
@@ -197,9 +197,11 @@ def measure(a, mid: str) -> dict:
                 resident["tok_s"].append(rt)
                 resident["grew"] = max(resident["grew"], rg)
                 resident["tokens"] = resident["tokens"] or rtoks
+                resident["runs"].add(tuple(rtoks))
                 runs["ttft"].append(es)
                 runs["tok_s"].append(et)
                 runs["match"].append(etoks == rtoks)
+                runs["first"].append(first_difference(etoks, rtoks))
                 runs["grew"] = max(runs["grew"], eg)
             loop = _engine_loop(eng.model, ids[:64], a.tokens, len(eng.store.layers))
             results[name] = dict(
@@ -211,12 +213,13 @@ def measure(a, mid: str) -> dict:
                 x_resident=paired(runs["tok_s"], resident["tok_s"][-a.repeats :]),
                 ttft_x_resident=paired(resident["ttft"][-a.repeats :], runs["ttft"]),
                 tokens_match=all(runs["match"]),
+                first_difference=runs["first"],
                 device_memory_bytes=held + runs["grew"],
                 **loop,
             )
             r = results[name]
             say(mid, started, f"{name}: {r['tok_s']['median']:.1f} tok/s, x{r['x_resident']['median']:.2f} of "
-                f"resident, tokens {'= resident' if r['tokens_match'] else 'DIFFER'}")  # fmt: skip
+                f"resident, tokens {tokens_said(r)}")  # fmt: skip
         finally:
             eng.close()
             del eng
@@ -249,11 +252,28 @@ def measure(a, mid: str) -> dict:
             tok_s=manyrows.spread(resident["tok_s"]) if resident["tok_s"] else None,
             ttft_s=manyrows.spread(resident["ttft"]) if resident["ttft"] else None,
             device_memory_bytes=resident["held"] + resident["grew"],
+            tokens_stable=len(resident["runs"]) <= 1,
         ),  # fmt: skip
         configurations=results,
         skipped=skipped,
         seconds=time.perf_counter() - started,
     )
+
+
+def first_difference(got: list, want: list) -> int | None:
+    """Where a configuration's greedy tokens first part from resident's (0: the token of the
+    prompt's prefill, the many-rows path; later: a decode step), None where they are equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+def tokens_said(r: dict) -> str:
+    """A configuration's tokens against resident's, and where they first differed in each repeat."""
+    if r["tokens_match"]:
+        return "= resident"
+    where = [f"{i}" if i is not None else "-" for i in r.get("first_difference", [])]
+    return "DIFFER" + (f" (first at token {', '.join(where)} of the repeats; 0: the prompt's)" if where else "")
 
 
 def show(out: dict):
@@ -269,8 +289,10 @@ def show(out: dict):
               f"({r['x_limit']:.2f} of it); TTFT {1e3 * r['ttft_s']['median']:.0f} ms; "
               f"{r['device_memory_bytes'] / 1e9:.2f} GB; {r['bytes_read_per_token'] / 1e6:.1f} MB read a token; "
               f"host {r['host_ms_per_layer']:.3f} ms a layer; tokens "
-              f"{'= resident' if r['tokens_match'] else 'DIFFER'}" + (f" (the engine of {r['same_as']})"
+              f"{tokens_said(r)}" + (f" (the engine of {r['same_as']})"
               if "same_as" in r else ""))  # fmt: skip
+    if not res.get("tokens_stable", True):
+        print("  resident's own greedy tokens differed between its repeats")
     for k, why in out["skipped"].items():
         print(f"  {k:12s} not measured: {why}")
     if "exactness" in out:
@@ -304,11 +326,13 @@ def planned(a) -> list:
 
 
 def recorded(mid: str) -> str | None:
-    """The record of `mid` this commit already has from this machine and device, if any."""
-    here = (mid, provenance.git_state()["commit"], provenance.host_alias(), device.kind())
+    """The record of `mid` this commit already has from this machine and device, under the same
+    MLX and CUDA settings (a run under MLX_USE_CUDA_GRAPHS=0 is another run), if any."""
+    here = (mid, provenance.git_state()["commit"], provenance.host_alias(), device.kind(), provenance.settings())
     folder = rawlog.RAW / "bench" / "families"
     for rec in records.read([folder]) if folder.exists() else []:
-        if (rec["result"].get("model"), rec.get("commit"), rec.get("host"), rec.get("device")) == here:
+        if (rec["result"].get("model"), rec.get("commit"), rec.get("host"), rec.get("device"),
+                rec.get("settings", {})) == here:  # fmt: skip
             return rec["_file"]
     return None
 

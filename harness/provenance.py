@@ -156,8 +156,24 @@ def portable_command(command) -> str:
     return " ".join(out)
 
 
+# Environment variables that change what MLX computes or how it schedules it (MLX_USE_CUDA_GRAPHS=0,
+# MLX_MAX_OPS_PER_BUFFER, CUDA_LAUNCH_BLOCKING=1, ...): a run made under one says so in its record.
+# Where MLX keeps its compiled kernels changes nothing it computes.
+NOT_SETTINGS = ("MLX_PTX_CACHE_DIR",)
+
+
+def settings() -> dict:
+    """The MLX and CUDA environment variables set for this run (empty where none is)."""
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(("MLX_", "CUDA_LAUNCH_BLOCKING", "CUDA_VISIBLE_DEVICES")) and k not in NOT_SETTINGS
+    }
+
+
 def stamp(result: dict, *, command, seed, config=None, started=None, **extra) -> dict:
-    """One raw record: the measured `result` with full provenance."""
+    """One raw record: the measured `result` with full provenance (and `settings`, the MLX and
+    CUDA environment variables it ran under, where any was set)."""
     rec = {
         "schema_version": SCHEMA_VERSION,
         "command": portable_command(command),
@@ -167,6 +183,7 @@ def stamp(result: dict, *, command, seed, config=None, started=None, **extra) ->
         "config": config or {},
         "started_utc": started or utc_now(),
         "finished_utc": utc_now(),
+        **({"settings": settings()} if settings() else {}),
         **extra,
         "result": result,
     }

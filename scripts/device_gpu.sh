@@ -5,6 +5,7 @@
 # run the same steps.
 #
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
+#   FULL=ID: the model of `build` and of the steps that say "needs build" (default olmoe-1b-7b-shape)
 #   steps: tests (the GPU files of the test suite, harness/suite.py's GPU_FILES, in SHARDS processes,
 #   default 8, or the TESTS named, recorded as
 #   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), tests2 (the test files TESTS2
@@ -110,7 +111,7 @@ run() {  # a failed step is logged and the next one still runs
   timeout -k 10 "$left" "$@" || log "FAILED ($?): $*"
   collect
 }
-full=olmoe-1b-7b-shape
+full=${FULL:-olmoe-1b-7b-shape}  # FULL: the model of build and the steps that need it (a family, to look into one)
 # Scripts of packages installed with `pip --target DIR` (mlx.launch) land in DIR/bin.
 IFS=: read -ra sites <<< "${PYTHONPATH:-}"
 for site in "${sites[@]}"; do [[ -d $site/bin ]] && PATH="$site/bin:$PATH"; done

@@ -326,8 +326,21 @@ def test_provenance_names_no_path_of_the_machine(monkeypatch):
     assert provenance.portable_command(["python", str(ROOT / "results" / "raw")]) == "python results/raw"
     home = os.path.expanduser("~")
     assert provenance.portable_command(["cat", os.path.join(home, "notes.txt")]) == "cat ~/notes.txt"
+    for k in [k for k in os.environ if k.startswith("MLX_") or k.startswith("CUDA_")]:
+        monkeypatch.delenv(k)
     rec = provenance.stamp({"x": 1}, command=[main, "decode"], seed=0)
     assert str(ROOT) not in json.dumps(rec) and rec["command"] == "python -m engine decode"
+    assert "settings" not in rec  # nothing set: the record is as it always was
+
+
+def test_a_record_names_the_mlx_settings_it_ran_under(monkeypatch):
+    """A run under MLX_USE_CUDA_GRAPHS=0 (or CUDA_LAUNCH_BLOCKING=1, ...) computes or schedules
+    otherwise, so its record says so; where MLX keeps its kernel cache changes nothing."""
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/tmp/ptx")
+    rec = provenance.stamp({"x": 1}, command=["python"], seed=0)
+    assert rec["settings"] == {"CUDA_LAUNCH_BLOCKING": "1", "MLX_USE_CUDA_GRAPHS": "0"}
 
 
 def test_gate_c_runs_fitted_predictors_at_every_floor_and_the_others_without():
@@ -904,6 +917,25 @@ def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it
     assert readme["`qwen3moe-tiny`"][-3:] == ["all", "16 GB and up", "not yet"]  # 12 MB: its KV cache
 
 
+def test_a_family_whose_tokens_part_from_residents_says_where_first():
+    """Where a configuration's greedy tokens differ from resident's, the record keeps, per repeat,
+    the first token that differs: 0 is the prompt's own (its prefill, the many-rows path), a later
+    one a decode step; the docs' table says which."""
+    from harness.families import first_difference, tokens_said
+    from harness.report import docblocks
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([9, 2, 3], [1, 2, 3]) == 0 and first_difference([1, 2, 4], [1, 2, 3]) == 2
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one ended early
+    said = tokens_said(dict(tokens_match=False, first_difference=[None, 5, 0]))
+    assert said.startswith("DIFFER") and "-, 5, 0" in said
+    assert tokens_said(dict(tokens_match=True, first_difference=[None])) == "= resident"
+    fig = {"tokens_match[25%]": 0.0, "first difference[25%]": 0.0, "tokens_match[50%]": 0.0,
+           "first difference[50%]": 7.0, "tokens_match[8 GB]": 1.0}  # fmt: skip
+    cells = [docblocks._tokens_cell(fig, c) for c in ("25%", "50%", "8 GB")]
+    assert cells == ["DIFFER from the prompt's token", "DIFFER from decode token 7", "= resident"]
+
+
 def test_the_readme_finds_a_runs_16_gb_budget_however_its_label_is_written():
     from harness.report import docblocks
 
@@ -943,6 +975,7 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     assert "cannot hold this model" in res["skipped"]["1.0 MB"] and "pinned 25%" in res["skipped"]
     quarter = res["configurations"]["25%"]
     assert quarter["slots"] == 32 and quarter["tokens_match"] and quarter["tok_s"]["n"] == 2
+    assert quarter["first_difference"] == [None, None] and res["resident"]["tokens_stable"]
     assert 0 < quarter["limit_x_resident"] <= 1 and res["bus"]["gb_s"] > 0 and res["least_budget_bytes"] > 1e6
     with pytest.raises(SystemExit, match="qwen3moe-tiny has no full-size exactness test"):  # before it builds
         harness_main(cmd[cmd.index("bench") :] + ["--exactness"])
@@ -962,6 +995,17 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     assert docblocks.families_table(table.iloc[:0]).startswith("No `bench plan` or `bench families` is recorded yet")
     detail = docblocks.families_detail(table)
     assert "| 25% | 32 |" in detail and "= resident" in detail and "(target" not in detail  # targets: a GPU's
+    # a later run under MLX settings (a diagnosis) is a run of its own: the docs show it beside the
+    # plain one, while the README's table and the figure keep the plain run
+    diag = dict(recs[0], settings={"MLX_USE_CUDA_GRAPHS": "0"}, run_id="99999999T000000000Z-000000",
+                started_utc="9999-01-01T00:00:00.000Z")  # fmt: skip
+    diag["result"] = json.loads(json.dumps(recs[0]["result"]))
+    diag["result"]["configurations"]["25%"]["tokens_match"] = False
+    both = bench_tables.bench_table(recs + [diag])
+    assert docblocks.families_table(both) == row
+    two = docblocks.families_detail(both)
+    assert two.count("`bench families` on") == 2 and "under `MLX_USE_CUDA_GRAPHS=0`" in two and "DIFFER" in two
+    assert recs[0]["run_id"] in two
     figdir = tmp_path / "fig"
     (figdir / "tables").mkdir(parents=True)
     table.to_csv(figdir / "tables" / "bench.csv", index=False)

@@ -339,14 +339,23 @@ FAMILY_MEMORY_TARGET = 0.35
 FRACTIONS = ("12.5%", "25%", "50%")
 
 
-def _family_runs(bench: pd.DataFrame) -> list:
+def _family_runs(bench: pd.DataFrame, settings: bool = False) -> list:
     """[((device, chip, model), {figure: value}, run id, commit)] of the latest `bench families`
-    run of each machine and model."""
+    run of each machine and model, one made with no MLX or CUDA settings where there is one.
+    `settings`: also the latest run under each other settings (the figures name them, `settings`)."""
     b = bench[bench["bench"] == "families"] if len(bench) else bench
+    if len(b) and "settings" not in b.columns:
+        b = b.assign(settings="")
     out = []
     for key, g in b.groupby(["device", "chip", "model"], sort=True):
-        run = one_run(g, "tok_s[")
-        out.append((key, dict(zip(run["figure"], run["value"])), run["run_id"].iloc[0], run["commit"].iloc[0]))
+        g = g.assign(settings=[x if isinstance(x, str) else "" for x in g["settings"]])  # a CSV's empty cells: NaN
+        plain = g[g["settings"] == ""]
+        picked = [one_run(plain if len(plain) else g, "tok_s[")]  # a run under settings only where alone
+        if settings:
+            picked += [one_run(h, "tok_s[") for k, h in g.groupby("settings", sort=True) if k and len(plain)]
+        for run in picked:
+            fig = dict(zip(run["figure"], run["value"]), settings=run["settings"].iloc[0])
+            out.append((key, fig, run["run_id"].iloc[0], run["commit"].iloc[0]))
     return out
 
 
@@ -430,6 +439,15 @@ def families_table(bench: pd.DataFrame) -> str:
     return text
 
 
+def _tokens_cell(fig: dict, c: str) -> str:
+    if fig[f"tokens_match[{c}]"]:
+        return "= resident"
+    first = fig.get(f"first difference[{c}]")
+    if first is None:
+        return "DIFFER"
+    return "DIFFER from the prompt's token" if first == 0 else f"DIFFER from decode token {int(first)}"
+
+
 def families_plan(bench: pd.DataFrame) -> str:
     """docs/gpu.md's table of each family's latest `bench plan`: the experts a layer each card's
     budget holds beside the rest of the model ("all": every expert in memory, "no": it cannot)."""
@@ -449,7 +467,7 @@ def families_plan(bench: pd.DataFrame) -> str:
 def families_detail(bench: pd.DataFrame) -> str:
     """docs/gpu.md's tables: every configuration of each family's latest run, against resident in
     the same repeat, its bus-bound limit, and issue 49's targets on a GPU."""
-    runs = _family_runs(bench)
+    runs = _family_runs(bench, settings=True)
     if not runs:
         return "No `bench families` is recorded yet."
     out = []
@@ -459,7 +477,9 @@ def families_detail(bench: pd.DataFrame) -> str:
         gpu = device == "gpu"
         res = fig.get("tok_s[resident]")
         out.append(f"`bench families` on {chip} ({device}), `{model}` ({int(fig['layers'])} layers, "
-                   f"{int(fig['experts'])} experts), run `{run_id}` at `{commit}`, {int(fig['repeats'])} repeats each "
+                   f"{int(fig['experts'])} experts), run `{run_id}` at `{commit}`"
+                   + (f" under `{fig['settings']}`" if fig["settings"] else "")
+                   + f", {int(fig['repeats'])} repeats each "
                    f"against resident in the same repeat; resident {res or float('nan'):.1f} tok/s, "
                    f"{_gb(fig['memory_bytes[resident]'])}; the bus {fig['bus_gb_s']:.1f} GB/s:")  # fmt: skip
         out.append("")
@@ -476,7 +496,10 @@ def families_detail(bench: pd.DataFrame) -> str:
                        f"{x:.2f}× [{lo:.2f}, {hi:.2f}] | {lim:.2f}× | {xl:.2f}{mark} | {fig[f'ttft_ms[{c}]']:.0f} ms | "
                        f"{_gb(fig[f'memory_bytes[{c}]'])} ({fig[f'memory x resident[{c}]']:.2f}×) | "
                        f"{fig[f'bytes_read_per_token[{c}]'] / 1e6:.1f} MB | {fig[f'host_ms_per_layer[{c}]']:.3f} ms | "
-                       f"{'= resident' if fig[f'tokens_match[{c}]'] else 'DIFFER'} |")  # fmt: skip
+                       f"{_tokens_cell(fig, c)} |")  # fmt: skip
+        if fig.get("resident tokens unstable"):
+            out.append("")
+            out.append("Resident's own greedy tokens differed between its repeats in this run.")
         if "exact_full_size" in fig:
             out.append("")
             out.append(f"Its full-size exactness test (`tests/test_exactness.py`, `[{model}]`, logits at 25 % of the "

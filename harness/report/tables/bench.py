@@ -114,6 +114,11 @@ def families_figures(res: dict) -> dict:
         figs[f"host_ms_per_layer[{k}]"] = c["host_ms_per_layer"]
         figs[f"slots[{k}]"] = c["slots"]
         figs[f"tokens_match[{k}]"] = float(c["tokens_match"])
+        first = [i for i in c.get("first_difference", []) if i is not None]
+        if first:  # the earliest token where a repeat parted from resident's (0: the prompt's own)
+            figs[f"first difference[{k}]"] = min(first)
+    if not res["resident"].get("tokens_stable", True):
+        figs["resident tokens unstable"] = 1.0
     if "exactness" in res:  # the full-size exactness test on this run's model: 1 passed, 0 not (absent: skipped)
         e = res["exactness"]["outcome"]
         if e != "skipped":
@@ -151,6 +156,9 @@ def bench_table(recs):
                 tokens=res_get(r, "tokens"),  # a decode's length: short ones pay more cold misses a token
                 started_utc=r["started_utc"],
                 run_id=r["run_id"],
+                # a run under MLX or CUDA environment variables (a diagnosis, MLX_USE_CUDA_GRAPHS=0):
+                # not the default path's measurement, so the headline tables take it only where alone
+                settings=" ".join(f"{k}={v}" for k, v in r.get("settings", {}).items()),
             ),
         )
         figs = {}
@@ -224,7 +232,7 @@ def bench_table(recs):
             figs["clients"], figs["requests"] = res["clients"], res["clients"] * res["requests"] * res["repeats"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
-    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "figure"]
+    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "settings", "figure"]
     cols = keys + ["value", "runs", "commit", "run_id"]  # run_id: the latest run's, to read one run's figures together
     for row in rows:
         for k in keys:
