@@ -163,7 +163,29 @@ def test_each_family_at_full_size_gives_mlx_lms_logits_at_a_quarter_of_its_exper
     slots = max(shape["top_k"], shape["experts"] // 4)
     _, logits, counters = run_engine(model_id, ref, slots=slots)
     assert counters["misses"] > 0
-    assert max_abs_diff(ref["logits"], logits) == 0.0
+    assert max_abs_diff(ref["logits"], logits) == 0.0, where_logits_part(ref["logits"], logits)
+
+
+def where_logits_part(want, got) -> str:
+    """For a failure's message (the record of `bench families --exactness` keeps it): the first
+    step whose logits differ (0: the prompt's prefill, the many-rows path; later: decode steps
+    through the slots), each step's max |Δlogit|, and whether the reference's own were finite."""
+    steps = [max_abs_diff([a], [b]) for a, b in zip(want, got)]
+    first = next(i for i, d in enumerate(steps) if d != 0)
+    finite = all(np.isfinite(np.asarray(a)).all() for a in want)
+    return (
+        f"logits part from mlx-lm's at step {first} ({'the prefill' if first == 0 else 'a decode step'}); "
+        f"max |Δ| a step {[round(d, 4) for d in steps]}; mlx-lm's own logits {'finite' if finite else 'NOT finite'}"
+    )
+
+
+def test_a_failed_exactness_check_says_where_the_logits_part():
+    want = [np.zeros((1, 4), np.float32), np.ones((1, 4), np.float32), np.ones((1, 4), np.float32)]
+    got = [want[0], want[1] + 0.5, want[2]]
+    said = where_logits_part(want, got)
+    assert "at step 1 (a decode step)" in said and "[0.0, 0.5, 0.0]" in said and "finite" in said
+    said = where_logits_part([np.full((1, 2), np.nan, np.float32)], [np.zeros((1, 2), np.float32)])
+    assert "at step 0 (the prefill)" in said and "NOT finite" in said
 
 
 @pytest.mark.parametrize("install", [HOST_INSTALL, "device"])
