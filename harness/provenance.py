@@ -174,6 +174,7 @@ def settings() -> dict:
 def stamp(result: dict, *, command, seed, config=None, started=None, **extra) -> dict:
     """One raw record: the measured `result` with full provenance (and `settings`, the MLX and
     CUDA environment variables it ran under, where any was set)."""
+    ran_under = settings()
     rec = {
         "schema_version": SCHEMA_VERSION,
         "command": portable_command(command),
@@ -183,7 +184,7 @@ def stamp(result: dict, *, command, seed, config=None, started=None, **extra) ->
         "config": config or {},
         "started_utc": started or utc_now(),
         "finished_utc": utc_now(),
-        **({"settings": settings()} if settings() else {}),
+        **({"settings": ran_under} if ran_under else {}),
         **extra,
         "result": result,
     }

@@ -111,7 +111,7 @@ run() {  # a failed step is logged and the next one still runs
   timeout -k 10 "$left" "$@" || log "FAILED ($?): $*"
   collect
 }
-full=${FULL:-olmoe-1b-7b-shape}  # FULL: the model of build and the steps that need it (a family, to look into one)
+full=${FULL:-olmoe-1b-7b-shape}
 # Scripts of packages installed with `pip --target DIR` (mlx.launch) land in DIR/bin.
 IFS=: read -ra sites <<< "${PYTHONPATH:-}"
 for site in "${sites[@]}"; do [[ -d $site/bin ]] && PATH="$site/bin:$PATH"; done

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import compare_runs
+from .tables.bench import without_settings
 
 # The run ids `snakemake all` gives itself (`auto`: commit, then host alias): a full run's
 FULL_RUN = re.compile(r"^([0-9a-f]{12})(-dirty)?-(host-[0-9a-f]{10})-")
@@ -344,17 +345,15 @@ def _family_runs(bench: pd.DataFrame, settings: bool = False) -> list:
     run of each machine and model, one made with no MLX or CUDA settings where there is one.
     `settings`: also the latest run under each other settings (the figures name them, `settings`)."""
     b = bench[bench["bench"] == "families"] if len(bench) else bench
-    if len(b) and "settings" not in b.columns:
-        b = b.assign(settings="")
     out = []
     for key, g in b.groupby(["device", "chip", "model"], sort=True):
-        g = g.assign(settings=[x if isinstance(x, str) else "" for x in g["settings"]])  # a CSV's empty cells: NaN
-        plain = g[g["settings"] == ""]
-        picked = [one_run(plain if len(plain) else g, "tok_s[")]  # a run under settings only where alone
-        if settings:
-            picked += [one_run(h, "tok_s[") for k, h in g.groupby("settings", sort=True) if k and len(plain)]
+        plain = without_settings(g)
+        picked = [one_run(plain, "tok_s[")]
+        if settings and plain is not g:  # groupby leaves out the plain runs' empty (NaN) settings
+            picked += [one_run(h, "tok_s[") for k, h in g.groupby("settings", sort=True) if k]
         for run in picked:
-            fig = dict(zip(run["figure"], run["value"]), settings=run["settings"].iloc[0])
+            named = run["settings"].iloc[0] if "settings" in run else ""
+            fig = dict(zip(run["figure"], run["value"]), settings=named if isinstance(named, str) else "")
             out.append((key, fig, run["run_id"].iloc[0], run["commit"].iloc[0]))
     return out
 

@@ -533,10 +533,7 @@ def families(figdir):
     # at least 8 inches wide: the title and the legend span the figure, whatever the panels
     fig, axes = plt.subplots(rows, cols, figsize=(max(8.0, 4.2 * cols), 3.4 * rows + 0.6), squeeze=False)
     for ax, (machine, model) in zip(axes.flat, keys):
-        g = b[(b["machine"] == machine) & (b["model"] == model)]
-        plain = g["settings"].isna() | (g["settings"] == "") if "settings" in g.columns else None
-        if plain is not None and plain.any():  # a run under MLX settings (a diagnosis) only where alone
-            g = g[plain]
+        g = bench_tables.without_settings(b[(b["machine"] == machine) & (b["model"] == model)])
         fig_ = _config_figures(g[g["run_id"] == g["run_id"].max()])
         configs = sorted((f[len("tok_s[") : -1] for f in fig_ if f.startswith("tok_s[") and f != "tok_s[resident]"),
                          key=lambda c: fig_[f"memory_bytes[{c}]"])  # fmt: skip

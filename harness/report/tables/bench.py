@@ -143,6 +143,15 @@ def plan_figures(res: dict) -> dict:
     return figs
 
 
+def without_settings(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of runs made under no MLX or CUDA settings (`settings` empty; a CSV reads it as NaN),
+    or, where every run had some (a diagnosis alone), `rows` itself: what the headline tables show."""
+    if "settings" not in rows.columns:
+        return rows
+    plain = rows["settings"].isna() | (rows["settings"] == "")
+    return rows[plain] if plain.any() else rows
+
+
 def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
