@@ -6,7 +6,7 @@ one at a time, each step's max |Δlogit| against the first resident run. Step 0 
 
 - device S = E: every expert resident, filled once (no fill during decode, no area);
 - device at 25 % and 50 %: the default install, as the exactness test runs it;
-- ... without overlap: each layer's compute started at the next sync, not at once;
+- ... with overlap: each layer's compute started at once (the install's default is without);
 - ... ops: the device install's steps as MLX operations instead of its CUDA kernels;
 - pinned at 25 %: the staging install (a copy kernel into a staging pool).
 
@@ -76,11 +76,11 @@ def main():
     del model
     free()
     variants = [
-        ("device S = E", dict(slots=E), None),
-        (f"device S = {quarter}", dict(slots=quarter), None),
-        (f"device S = {half}", dict(slots=half), None),
-        (f"device S = {quarter}, no overlap", dict(slots=quarter, overlap=False), None),
-        (f"device S = {quarter}, ops", dict(slots=quarter), ops_mode),
+        ("device S = E", dict(slots=E, install="device"), None),
+        (f"device S = {quarter}", dict(slots=quarter, install="device"), None),
+        (f"device S = {half}", dict(slots=half, install="device"), None),
+        (f"device S = {quarter}, overlap", dict(slots=quarter, install="device", overlap=True), None),
+        (f"device S = {quarter}, ops", dict(slots=quarter, install="device"), ops_mode),
         (f"pinned S = {quarter}", dict(slots=quarter, install="pinned"), None),
     ]
     for name, cfg, ctx in variants:
