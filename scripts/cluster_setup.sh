@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prepare every host of an mlx.launch hostfile to run Titan: sync this checkout, create the
-# pinned virtual environment, and run an import check that prints the mlx, mlx-lm and engine
-# versions and the device. Fails, naming the host, when a host cannot be reached, its setup
+# Prepare every host of an mlx.launch hostfile to run Titan, all hosts at once: sync this
+# checkout, create the pinned virtual environment, and run an import check that prints the mlx,
+# mlx-lm and engine versions and the device. Fails, naming the host, when a host cannot be reached, its setup
 # fails, or its versions differ from the first host's.
 #
 # Usage: scripts/cluster_setup.sh HOSTFILE [--dest DIR] [--check-only]
@@ -18,7 +18,7 @@
 # development machine run.
 set -euo pipefail
 
-usage() { sed -n '2,21p' "$0" >&2; exit 2; }
+usage() { sed -n '2,18p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 hostfile=$1; shift
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -55,21 +55,44 @@ remote() {  # remote HOST COMMAND: run COMMAND in a shell on HOST
   $cmd "$*"
 }
 
+setup_host() {  # setup_host HOST: sync the code to it and create its environment
+  local host=$1 dest q
+  dest=${dest_tpl//\{host\}/$host}
+  q=$(printf %q "$dest")
+  echo "[$host] syncing the code to $dest"
+  remote "$host" "mkdir -p $q" || { echo "error: host $host: cannot reach it or create $dest" >&2; return 1; }
+  # tar over the remote shell: the tracked and untracked files git does not ignore, nothing built
+  (cd "$here" && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf -) \
+    | remote "$host" "tar -xf - -C $q" || { echo "error: host $host: sync failed" >&2; return 1; }
+  echo "[$host] creating the pinned environment $dest/.venv"
+  remote "$host" "cd $q && $python -m venv .venv && .venv/bin/pip install -q $pip_args -c requirements.lock -e ." \
+    || { echo "error: host $host: environment setup failed" >&2; return 1; }
+}
+
+if [ $check_only = 0 ]; then
+  # Every host at once (a cluster's setup takes one host's time, not the sum); each host's lines
+  # are kept apart and printed whole once it is done, so that a failure reads as its host's.
+  logs=$(mktemp -d)
+  trap 'rm -rf "$logs"' EXIT
+  pids=()
+  for host in $hosts; do
+    setup_host "$host" > "$logs/${#pids[@]}.out" 2> "$logs/${#pids[@]}.err" &
+    pids+=($!)
+  done
+  failed=0 i=0
+  for host in $hosts; do
+    wait "${pids[$i]}" || failed=1
+    cat "$logs/$i.out"
+    cat "$logs/$i.err" >&2
+    i=$((i + 1))
+  done
+  [ $failed = 0 ] || exit 1
+fi
+
 first_report=""
 first_host=""
 for host in $hosts; do
-  dest=${dest_tpl//\{host\}/$host}
-  q=$(printf %q "$dest")
-  if [ $check_only = 0 ]; then
-    echo "[$host] syncing the code to $dest"
-    remote "$host" "mkdir -p $q" || { echo "error: host $host: cannot reach it or create $dest" >&2; exit 1; }
-    # tar over the remote shell: the tracked and untracked files git does not ignore, nothing built
-    (cd "$here" && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf -) \
-      | remote "$host" "tar -xf - -C $q" || { echo "error: host $host: sync failed" >&2; exit 1; }
-    echo "[$host] creating the pinned environment $dest/.venv"
-    remote "$host" "cd $q && $python -m venv .venv && .venv/bin/pip install -q $pip_args -c requirements.lock -e ." \
-      || { echo "error: host $host: environment setup failed" >&2; exit 1; }
-  fi
+  q=$(printf %q "${dest_tpl//\{host\}/$host}")
   report=$(remote "$host" "cd $q && .venv/bin/python -m engine version") \
     || { echo "error: host $host: import check failed" >&2; exit 1; }
   echo "[$host] $report"
