@@ -13,7 +13,7 @@ one at a time, each step's max |Δlogit| against the first resident run. Step 0 
 Run it once with MLX's CUDA graphs and once without (`MLX_USE_CUDA_GRAPHS=0`) to tell an
 ordering that the graphs lose from a kernel's arithmetic. Prints a table; no record (a probe).
 
-    python scripts/probe_exactness.py [MODEL] [STEPS]
+    python scripts/probe_exactness.py [MODEL] [STEPS] [full,quarter,half,overlap,ops,pinned]
 """
 
 import contextlib
@@ -33,6 +33,7 @@ from engine.runtime.loop import decode  # noqa: E402
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else "mixtral-8x7b-shape"
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+ONLY = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # the variants' first words, e.g. device,ops
 PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"
 
 
@@ -83,7 +84,10 @@ def main():
         (f"device S = {quarter}, ops", dict(slots=quarter, install="device"), ops_mode),
         (f"pinned S = {quarter}", dict(slots=quarter, install="pinned"), None),
     ]
-    for name, cfg, ctx in variants:
+    keys = ["full", "quarter", "half", "overlap", "ops", "pinned"]
+    for key, (name, cfg, ctx) in zip(keys, variants):
+        if ONLY is not None and key not in ONLY:
+            continue
         t0 = time.perf_counter()
         try:
             with ctx() if ctx else contextlib.nullcontext():
