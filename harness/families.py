@@ -172,7 +172,8 @@ def measure(a, mid: str) -> dict:
     base = mx.get_active_memory()
     ref = registry.load_reference(mid)[0]
     manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
-    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None, runs=set())
+    # resident's distinct greedy token sequences over all its runs, in the order first seen, and how often
+    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None, runs={})
     results = {}
     for i, (name, cfg) in enumerate(configs.items()):
         release()
@@ -186,7 +187,7 @@ def measure(a, mid: str) -> dict:
         try:
             manyrows.first_token(eng.model, ids[:64], 2)
             held = mx.get_active_memory() - before  # its weights and slot tables (the host tier is not MLX's)
-            runs = dict(ttft=[], tok_s=[], match=[], first=[], grew=0)
+            runs = dict(ttft=[], tok_s=[], match=[], first=[], tokens=[], grew=0)
             for r in range(a.repeats):
                 order = [("resident", ref), (name, eng.model)]
                 pair = {}
@@ -197,11 +198,12 @@ def measure(a, mid: str) -> dict:
                 resident["tok_s"].append(rt)
                 resident["grew"] = max(resident["grew"], rg)
                 resident["tokens"] = resident["tokens"] or rtoks
-                resident["runs"].add(tuple(rtoks))
+                resident["runs"][tuple(rtoks)] = resident["runs"].get(tuple(rtoks), 0) + 1
                 runs["ttft"].append(es)
                 runs["tok_s"].append(et)
                 runs["match"].append(etoks == rtoks)
                 runs["first"].append(first_difference(etoks, rtoks))
+                runs["tokens"].append(list(etoks))
                 runs["grew"] = max(runs["grew"], eg)
             loop = _engine_loop(eng.model, ids[:64], a.tokens, len(eng.store.layers))
             results[name] = dict(
@@ -214,6 +216,7 @@ def measure(a, mid: str) -> dict:
                 ttft_x_resident=paired(resident["ttft"][-a.repeats :], runs["ttft"]),
                 tokens_match=all(runs["match"]),
                 first_difference=runs["first"],
+                tokens_each_repeat=runs["tokens"],
                 device_memory_bytes=held + runs["grew"],
                 **loop,
             )
@@ -224,6 +227,8 @@ def measure(a, mid: str) -> dict:
             eng.close()
             del eng
             release()
+    for r in results.values():  # where resident's own tokens vary, is each repeat's one of its runs?
+        r["tokens_in_resident_runs"] = all(tuple(t) in resident["runs"] for t in r["tokens_each_repeat"])
     for name, first in same.items():  # the same engine as a budget measured above
         if first in results:
             results[name] = dict(results[first], same_as=first)
@@ -253,6 +258,7 @@ def measure(a, mid: str) -> dict:
             ttft_s=manyrows.spread(resident["ttft"]) if resident["ttft"] else None,
             device_memory_bytes=resident["held"] + resident["grew"],
             tokens_stable=len(resident["runs"]) <= 1,
+            token_runs=[dict(tokens=list(t), runs=n) for t, n in resident["runs"].items()],
         ),  # fmt: skip
         configurations=results,
         skipped=skipped,
@@ -268,12 +274,17 @@ def first_difference(got: list, want: list) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
-def tokens_said(r: dict) -> str:
-    """A configuration's tokens against resident's, and where they first differed in each repeat."""
+def tokens_said(r: dict, resident_stable: bool = True) -> str:
+    """A configuration's tokens against resident's in the same repeat, and where they first differed
+    in each repeat. Where resident's own tokens varied between its runs, a difference says so, or
+    that each repeat's tokens were those of one of resident's runs."""
     if r["tokens_match"]:
         return "= resident"
+    if not resident_stable and r.get("tokens_in_resident_runs"):
+        return "= one of resident's own runs (resident's tokens vary)"
     where = [f"{i}" if i is not None else "-" for i in r.get("first_difference", [])]
-    return "DIFFER" + (f" (first at token {', '.join(where)} of the repeats; 0: the prompt's)" if where else "")
+    said = "DIFFER" + (f" (first at token {', '.join(where)} of the repeats; 0: the prompt's)" if where else "")
+    return said + ("; resident's own tokens vary too" if not resident_stable else "")
 
 
 def show(out: dict):
@@ -289,10 +300,13 @@ def show(out: dict):
               f"({r['x_limit']:.2f} of it); TTFT {1e3 * r['ttft_s']['median']:.0f} ms; "
               f"{r['device_memory_bytes'] / 1e9:.2f} GB; {r['bytes_read_per_token'] / 1e6:.1f} MB read a token; "
               f"host {r['host_ms_per_layer']:.3f} ms a layer; tokens "
-              f"{tokens_said(r)}" + (f" (the engine of {r['same_as']})"
+              f"{tokens_said(r, res.get('tokens_stable', True))}" + (f" (the engine of {r['same_as']})"
               if "same_as" in r else ""))  # fmt: skip
     if not res.get("tokens_stable", True):
-        print("  resident's own greedy tokens differed between its repeats")
+        counts = ", ".join(str(t["runs"]) for t in res.get("token_runs", []))
+        print(
+            "  resident's own greedy tokens differed between its runs" + (f" ({counts} runs of each)" if counts else "")
+        )
     for k, why in out["skipped"].items():
         print(f"  {k:12s} not measured: {why}")
     if "exactness" in out:

@@ -934,6 +934,31 @@ def test_a_family_whose_tokens_part_from_residents_says_where_first():
            "first difference[50%]": 7.0, "tokens_match[8 GB]": 1.0}  # fmt: skip
     cells = [docblocks._tokens_cell(fig, c) for c in ("25%", "50%", "8 GB")]
     assert cells == ["DIFFER from the prompt's token", "DIFFER from decode token 7", "= resident"]
+    assert docblocks._tokens_word(fig) == ", tokens DIFFER"
+
+
+def test_where_residents_own_tokens_vary_a_difference_says_so_and_whether_the_engines_were_among_them():
+    """mlx-lm's model alone can give other greedy tokens run to run (Mixtral's shape over a 2048-token
+    prompt on an H100): then a configuration whose tokens are one of resident's own runs is said
+    to be that, a difference says resident's vary too, and the README's row does not say DIFFER
+    for tokens resident itself gave."""
+    from harness.families import tokens_said
+    from harness.report import docblocks
+
+    among = dict(tokens_match=False, first_difference=[12], tokens_in_resident_runs=True)
+    outside = dict(tokens_match=False, first_difference=[12], tokens_in_resident_runs=False)
+    assert tokens_said(among, resident_stable=False) == "= one of resident's own runs (resident's tokens vary)"
+    assert tokens_said(outside, resident_stable=False).endswith("; resident's own tokens vary too")
+    assert tokens_said(among).startswith("DIFFER")  # resident stable: its own run is the one compared
+    fig = {"resident tokens unstable": 1.0, "tokens_match[25%]": 0.0, "tokens in resident runs[25%]": 1.0,
+           "first difference[25%]": 12.0, "tokens_match[50%]": 1.0}  # fmt: skip
+    assert docblocks._tokens_cell(fig, "25%") == "= one of resident's own runs"
+    assert docblocks._tokens_word(fig) == ", resident's tokens vary"
+    fig["tokens in resident runs[25%]"] = 0.0
+    assert docblocks._tokens_cell(fig, "25%") == "DIFFER from decode token 12 (resident's own vary too)"
+    assert docblocks._tokens_word(fig) == ", tokens DIFFER (resident's vary too)"
+    del fig["tokens in resident runs[25%]"]  # a record from before the bench kept the tokens
+    assert docblocks._tokens_word(fig) == ", tokens DIFFER (resident's vary too)"
 
 
 def test_the_readme_finds_a_runs_16_gb_budget_however_its_label_is_written():
@@ -976,6 +1001,10 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     quarter = res["configurations"]["25%"]
     assert quarter["slots"] == 32 and quarter["tokens_match"] and quarter["tok_s"]["n"] == 2
     assert quarter["first_difference"] == [None, None] and res["resident"]["tokens_stable"]
+    # every repeat's tokens, and resident's distinct runs (one here) with how many runs gave each
+    assert len(quarter["tokens_each_repeat"]) == 2 and quarter["tokens_in_resident_runs"]
+    assert [t["tokens"] for t in res["resident"]["token_runs"]] == [quarter["tokens_each_repeat"][0]]
+    assert res["resident"]["token_runs"][0]["runs"] == 2 * 2  # two configurations measured, two repeats each
     assert 0 < quarter["limit_x_resident"] <= 1 and res["bus"]["gb_s"] > 0 and res["least_budget_bytes"] > 1e6
     with pytest.raises(SystemExit, match="qwen3moe-tiny has no full-size exactness test"):  # before it builds
         harness_main(cmd[cmd.index("bench") :] + ["--exactness"])

@@ -422,29 +422,44 @@ def families_table(bench: pd.DataFrame) -> str:
             card = _card(fig, 16)
             speed.append(f"{card_name(chip)}: " + (f"{fig[f'tok_s[{card}]']:.1f} ({fig[f'x resident[{card}]']:.2f}×)"
                                                    if card else "no 16 GB budget in its run"))  # fmt: skip
-            if any(f.startswith("tokens_match[") and not v for f, v in fig.items()):
-                speed[-1] += ", tokens DIFFER"
+            speed[-1] += _tokens_word(fig)
             limits = {c: fig[f"limit x resident[{c}]"] for c in FRACTIONS if f"limit x resident[{c}]" in fig}
             if limits and min(limits.values()) < 1:
                 worst = min(limits, key=limits.get)
-                bound.append(f"`{model}` on the {card_name(chip)}, {limits[worst]:.2f}× at {worst}")
+                bound.append(f"`{model}` ({card_name(chip)}) {limits[worst]:.2f}× at {worst}")
         resident = plan.get("resident_bytes") or max(fig["memory_bytes[resident]"] for _, fig in measured)
         out.append(f"| `{model}` | {_gb(some['weights_bytes'])} | {_gb(resident)} | {_gb(some['least_budget_bytes'])} "
                    f"| {at16} | {f'{held[0]} and up' if held else ''} | {'; '.join(speed) or 'not yet'} |")  # fmt: skip
     text = "\n".join(out)
     if bound:
-        text += ("\n\nBound by the bus (the bytes a token reads at its fewest experts cap it at this multiple of "
+        text += ("\n\nBound by the bus (what a token reads at its fewest experts caps it at this multiple of "
                  "resident): " + "; ".join(bound) + ".")  # fmt: skip
     return text
+
+
+def _tokens_word(fig: dict) -> str:
+    """The README's word on a run's tokens: nothing where every configuration's equal resident's;
+    where resident's own varied between its runs, that, and whether the engine's were among them."""
+    differ = [f[len("tokens_match[") : -1] for f, v in fig.items() if f.startswith("tokens_match[") and not v]
+    if not differ:
+        return ""
+    if not fig.get("resident tokens unstable"):
+        return ", tokens DIFFER"
+    if all(fig.get(f"tokens in resident runs[{c}]") for c in differ):
+        return ", resident's tokens vary"
+    return ", tokens DIFFER (resident's vary too)"
 
 
 def _tokens_cell(fig: dict, c: str) -> str:
     if fig[f"tokens_match[{c}]"]:
         return "= resident"
+    unstable = bool(fig.get("resident tokens unstable"))
+    if unstable and fig.get(f"tokens in resident runs[{c}]"):
+        return "= one of resident's own runs"
     first = fig.get(f"first difference[{c}]")
-    if first is None:
-        return "DIFFER"
-    return "DIFFER from the prompt's token" if first == 0 else f"DIFFER from decode token {int(first)}"
+    said = "DIFFER" if first is None else (
+        "DIFFER from the prompt's token" if first == 0 else f"DIFFER from decode token {int(first)}")  # fmt: skip
+    return said + (" (resident's own vary too)" if unstable else "")
 
 
 def families_plan(bench: pd.DataFrame) -> str:
@@ -478,7 +493,7 @@ def families_detail(bench: pd.DataFrame) -> str:
         out.append(f"`bench families` on {chip} ({device}), `{model}` ({int(fig['layers'])} layers, "
                    f"{int(fig['experts'])} experts), run `{run_id}` at `{commit}`"
                    + (f" under `{fig['settings']}`" if fig["settings"] else "")
-                   + f", {int(fig['repeats'])} repeats each "
+                   + f", {int(fig['repeats'])} repeat{'s' if int(fig['repeats']) != 1 else ''} each "
                    f"against resident in the same repeat; resident {res or float('nan'):.1f} tok/s, "
                    f"{_gb(fig['memory_bytes[resident]'])}; the bus {fig['bus_gb_s']:.1f} GB/s:")  # fmt: skip
         out.append("")
@@ -498,7 +513,9 @@ def families_detail(bench: pd.DataFrame) -> str:
                        f"{_tokens_cell(fig, c)} |")  # fmt: skip
         if fig.get("resident tokens unstable"):
             out.append("")
-            out.append("Resident's own greedy tokens differed between its repeats in this run.")
+            out.append("Resident's own greedy tokens differed between its runs in this run (mlx-lm's model alone), "
+                       "so a configuration's tokens against resident's in the same repeat do not decide exactness: "
+                       "its full-size exactness test, teacher-forced, does.")  # fmt: skip
         if "exact_full_size" in fig:
             out.append("")
             out.append(f"Its full-size exactness test (`tests/test_exactness.py`, `[{model}]`, logits at 25 % of the "

@@ -114,6 +114,8 @@ def families_figures(res: dict) -> dict:
         figs[f"host_ms_per_layer[{k}]"] = c["host_ms_per_layer"]
         figs[f"slots[{k}]"] = c["slots"]
         figs[f"tokens_match[{k}]"] = float(c["tokens_match"])
+        if "tokens_in_resident_runs" in c:  # each repeat's tokens were one of resident's own runs
+            figs[f"tokens in resident runs[{k}]"] = float(c["tokens_in_resident_runs"])
         first = [i for i in c.get("first_difference", []) if i is not None]
         if first:  # the earliest token where a repeat parted from resident's (0: the prompt's own)
             figs[f"first difference[{k}]"] = min(first)
