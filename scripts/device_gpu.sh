@@ -75,7 +75,10 @@ if [[ ${DETACH:-} == 1 ]]; then
     fi
     mkdir -p "$state/out"
     # Nothing of this call's (its output pipes included) stays open in the detached process.
-    (cd "$work" && DETACH=child BUDGET='' MARKER="$state/marker" \
+    # The models and stores stay in this tree's resources (kept between calls while the machine is
+    # warm), so that a `build` run in a call and the detached steps share one copy of a 26 GB model.
+    (export TITAN_RESOURCES=${TITAN_RESOURCES:-$PWD/resources}
+     cd "$work" && DETACH=child BUDGET='' MARKER="$state/marker" \
       exec setsid scripts/device_gpu.sh "$state/out" "$@") > /dev/null 2>&1 < /dev/null &
     for _ in $(seq 50); do [[ -s $state/pid ]] && [[ $(cat "$state/pid") != "$pid" ]] && break; sleep 0.1; done
     pid=$(cat "$state/pid")

@@ -200,7 +200,7 @@ if [ "$1 $2" = "-m harness" ]; then
   mkdir -p results/raw/bench/fake
   n=$(ls results/raw/bench/fake | wc -l)
   echo '{}' > "results/raw/bench/fake/$n.jsonl"
-  echo "measured $n"
+  echo "measured $n with resources at $TITAN_RESOURCES"
 fi
 """
 
@@ -209,12 +209,14 @@ def test_detached_gpu_steps_outlive_the_call_and_the_next_call_waits_on_them(tmp
     """scripts/device_gpu.sh with DETACH=1, as on the GPU machine of the development device tool:
     the steps run in a session of their own in a copy of the tree, so a call whose BUDGET ends
     first returns while they go on; the same command again waits on the same process (not a
-    second one) and brings back every raw file they wrote, in the copy and not in the tree."""
+    second one) and brings back every raw file they wrote, in the copy and not in the tree; the
+    models they build are the tree's resources."""
     fake = tmp_path / "python"
     fake.write_text(_FAKE_PYTHON)
     fake.chmod(0o755)
     state = tmp_path / "state"
     env = dict(os.environ, DETACH="1", WORK=str(state / "tree"), PYTHON=str(fake), FAKE_SECONDS="3")
+    env.pop("TITAN_RESOURCES", None)
 
     def call(out, budget):
         cmd = [ROOT / "scripts" / "device_gpu.sh", tmp_path / out, "miss", "install"]
@@ -237,4 +239,6 @@ def test_detached_gpu_steps_outlive_the_call_and_the_next_call_waits_on_them(tmp
     assert sorted(listed.stdout.split()) == ["results/raw/bench/fake/0.jsonl", "results/raw/bench/fake/1.jsonl"]
     log = (tmp_path / "out2" / "log.txt").read_text()
     assert "measured 0" in log and "measured 1" in log
+    # the copy builds nothing of its own: a model `build` made in the tree is the steps' too
+    assert f"with resources at {ROOT}/resources" in log
     assert not (ROOT / "results" / "raw" / "bench" / "fake").exists()
