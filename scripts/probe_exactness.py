@@ -14,6 +14,11 @@ Run it once with MLX's CUDA graphs and once without (`MLX_USE_CUDA_GRAPHS=0`) to
 ordering that the graphs lose from a kernel's arithmetic. Prints a table; no record (a probe).
 
     python scripts/probe_exactness.py [MODEL] [STEPS] [full,quarter,half,overlap,ops,pinned]
+
+PROMPT_TOKENS=N: instead of the test's prompt, N tokens of the general set's eval prompts (as
+`bench families` prompts: 2048 there); RESIDENT_RUNS=R: resident R times, each against the first
+(`bench families` saw Mixtral's resident tokens vary between runs over 2048 tokens: does it with
+and without the graphs, and from which step?).
 """
 
 import contextlib
@@ -30,6 +35,7 @@ from engine import EngineConfig, load, max_abs_diff  # noqa: E402
 from engine.models import registry  # noqa: E402
 from engine.runtime.device import cache as devicecache  # noqa: E402
 from engine.runtime.loop import decode  # noqa: E402
+from harness import manyrows  # noqa: E402
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else "mixtral-8x7b-shape"
 STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 4
@@ -69,11 +75,13 @@ def main():
     print(f"{MODEL}: E = {E}, top {k}; MLX_USE_CUDA_GRAPHS={graphs}", flush=True)
     t0 = time.perf_counter()
     model, tok, _ = registry.load_reference(MODEL)
-    ids = tok.encode(PROMPT)
+    n = int(os.environ.get("PROMPT_TOKENS", "0"))
+    ids = manyrows.long_ids(tok, n, "general") if n else tok.encode(PROMPT)
     tokens, _, want = decode(model, ids, STEPS, keep_logits=True)
-    _, _, again = decode(model, ids, STEPS, keep_logits=True)
-    print(f"resident twice ({len(ids)} prompt tokens, {time.perf_counter() - t0:.0f} s): "
-          f"max |Δ| a step {steps_apart(want, again)}", flush=True)  # fmt: skip
+    for run in range(1, int(os.environ.get("RESIDENT_RUNS", "2"))):
+        _, _, again = decode(model, ids, STEPS, keep_logits=True)
+        print(f"resident run {run + 1} against run 1 ({len(ids)} prompt tokens, {time.perf_counter() - t0:.0f} s): "
+              f"max |Δ| a step {steps_apart(want, again)}", flush=True)  # fmt: skip
     del model
     free()
     variants = [
