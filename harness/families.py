@@ -303,10 +303,9 @@ def show(out: dict):
               f"{tokens_said(r, res.get('tokens_stable', True))}" + (f" (the engine of {r['same_as']})"
               if "same_as" in r else ""))  # fmt: skip
     if not res.get("tokens_stable", True):
-        counts = ", ".join(str(t["runs"]) for t in res.get("token_runs", []))
-        print(
-            "  resident's own greedy tokens differed between its runs" + (f" ({counts} runs of each)" if counts else "")
-        )
+        seqs = res.get("token_runs", [])
+        over = f": {len(seqs)} sequences over {sum(t['runs'] for t in seqs)} runs" if seqs else ""
+        print(f"  resident's own greedy tokens differed between its runs{over}")
     for k, why in out["skipped"].items():
         print(f"  {k:12s} not measured: {why}")
     if "exactness" in out:
