@@ -17,7 +17,13 @@ def setup(hostfile, *args, env=None):
     env = {**os.environ, "TITAN_REMOTE_SHELL": "bash -c", **(env or {})}
     env.pop("VIRTUAL_ENV", None)
     return subprocess.run(
-        ["bash", str(SETUP), str(hostfile), *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=1500
+        ["bash", str(SETUP), str(hostfile), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -49,6 +55,26 @@ def test_setup_two_loopback_hosts_then_refuse_one_that_differs(tmp_path):
     r = setup(hostfile, "--dest", str(dest), "--check-only")
     assert r.returncode != 0
     assert "host localhost differs from 127.0.0.1" in r.stderr and "engine-code" in r.stderr
+
+
+@needs_git
+def test_hosts_are_set_up_at_once_and_a_failing_one_is_named_while_the_others_finish(tmp_path):
+    """Every host's setup runs at the same time; one that fails is named, and every other host's
+    lines still come out whole, in the hostfile's order. (A remote shell stands in for ssh: `slow`
+    takes a second a command, `bad` cannot be reached.)"""
+    remote = tmp_path / "remote"
+    remote.write_text(
+        '#!/usr/bin/env bash\nhost=$1; shift\n[ "$host" = bad ] && exit 3\ncat > /dev/null\n'
+        '[ "$host" = slow ] && sleep 1\nexit 0\n'
+    )
+    remote.chmod(0o755)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": h, "ips": ["127.0.0.1"]} for h in ("slow", "bad", "fast")]))
+    r = setup(hostfile, "--dest", str(tmp_path / "{host}"), env={"TITAN_REMOTE_SHELL": f"{remote} {{host}}"})
+    assert r.returncode != 0
+    assert "error: host bad: cannot reach it" in r.stderr
+    lines = [line.split("]")[0] for line in r.stdout.splitlines() if line.startswith("[")]
+    assert lines == ["[slow", "[slow", "[bad", "[fast", "[fast"]  # each host's lines together, in order
 
 
 def test_setup_refuses_a_malformed_hostfile(tmp_path):
