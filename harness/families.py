@@ -173,7 +173,7 @@ def measure(a, mid: str) -> dict:
     ref = registry.load_reference(mid)[0]
     manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
     # resident's distinct greedy token sequences over all its runs, in the order first seen, and how often
-    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, tokens=None, runs={})
+    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, runs={})
     results = {}
     for i, (name, cfg) in enumerate(configs.items()):
         release()
@@ -197,7 +197,6 @@ def measure(a, mid: str) -> dict:
                 resident["ttft"].append(rs)
                 resident["tok_s"].append(rt)
                 resident["grew"] = max(resident["grew"], rg)
-                resident["tokens"] = resident["tokens"] or rtoks
                 resident["runs"][tuple(rtoks)] = resident["runs"].get(tuple(rtoks), 0) + 1
                 runs["ttft"].append(es)
                 runs["tok_s"].append(et)
