@@ -401,9 +401,14 @@ def test_aligned_zeros_makes_arrays_past_two_to_the_31_elements():
 
 
 def test_device_install_exact_over_a_host_tier_of_padded_rows(reference, monkeypatch):
-    """The device install's operations read the host tier however it is laid out: with the rows
-    padded as past 2^31 elements (forced here on a small model), its logits equal mlx-lm's."""
+    """The device install's operations (its form where CUDA is not; forced here on any backend)
+    read the host tier however it is laid out: with the rows padded as past 2^31 elements (forced
+    here on a small model), its logits equal mlx-lm's."""
     monkeypatch.setattr("engine.runtime.slots.FLAT_LIMIT", 1)
+    real = devicecache.DeviceCache.__init__
+    monkeypatch.setattr(
+        devicecache.DeviceCache, "__init__", lambda self, *a, **k: real(self, *a, **{**k, "mode": "ops"})
+    )
     ref = reference("olmoe-tiny")
     eng = load("olmoe-tiny", EngineConfig(slots=16, install="device"))
     try:
