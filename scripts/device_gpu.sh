@@ -31,7 +31,8 @@
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
 #   PSETS="general" limits it to one prompt set), variants (TESTS in one pytest process a variant of
 #   the environment, side by side: VARIANTS="name:VAR=value;name2:"; no record)
-# Every step writes OUTDIR/logs.tgz too: the new job logs and benchmark files, for where time went.
+# Every step writes OUTDIR/logs.tgz too: the new job logs and benchmark files, for where time went;
+# and OUTDIR/ptx.tgz, MLX's compiled CUDA kernels, to prime the next machine's (PTX_CACHE, below).
 # Writes OUTDIR/raw.tgz with every new raw file after each step (the development device drops
 # untracked files between calls) and OUTDIR/log.txt. BUDGET=SECONDS stops a step in time for the
 # collection to run before a caller's own time limit does (a step cut short is resumed by the
@@ -59,8 +60,25 @@ collect() {
   # The jobs' logs and benchmark files say where a step's time went (not committed).
   find results/logs results/benchmarks .snakemake/log -type f -newer "$marker" 2>/dev/null | sort > "$out/new-logs.txt"
   tar czf "$out/logs.tgz" -T "$out/new-logs.txt" 2>/dev/null
+  tar czf "$out/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null
   log "collected $(wc -l < "$out/new-raw.txt") raw files, $(wc -l < "$out/new-logs.txt") logs"
 }
+# MLX compiles its CUDA kernels at their first use (NVRTC) into MLX_PTX_CACHE_DIR. On a fresh
+# machine every suite shard compiled the same ones at once (a shard's first decoding test took 150
+# to 290 s). PTX_CACHE (default resources/ptx-cache.tgz: an earlier run's OUTDIR/ptx.tgz, which
+# every collection brings back) primes an empty cache; one cache per MLX version and GPU.
+if [[ -z ${MLX_PTX_CACHE_DIR:-} ]]; then
+  mlx_version=$($py -c 'import mlx.core as mx; print(mx.__version__)' 2>/dev/null)
+  gpu_arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
+  MLX_PTX_CACHE_DIR=/tmp/titan-ptx/${mlx_version:-unknown}-sm${gpu_arch:-none}
+fi
+export MLX_PTX_CACHE_DIR
+mkdir -p "$MLX_PTX_CACHE_DIR"
+ptx_cache=${PTX_CACHE:-resources/ptx-cache.tgz}
+if [[ -f $ptx_cache && -z $(ls -A "$MLX_PTX_CACHE_DIR") ]]; then
+  tar xzf "$ptx_cache" -C "$MLX_PTX_CACHE_DIR" &&
+    log "MLX's kernel cache $MLX_PTX_CACHE_DIR primed from $ptx_cache ($(ls "$MLX_PTX_CACHE_DIR" | wc -l) files)"
+fi
 deadline=$(($(date +%s) + ${BUDGET:-1000000}))
 if [[ ${DETACH:-} == 1 ]]; then
   work=${WORK:-/root/titan-work/tree}

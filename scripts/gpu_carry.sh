@@ -3,6 +3,8 @@
 # three carries (its image has Python 3.12 and CUDA 13 but no registry; docs/gpu.md, "Next on a GPU"):
 #   .gpu1  the first part of MLX's CUDA wheel          call 1: cp .gpu1/part.aa /root/part.aa
 #   .gpu3  Snakemake and the engine's other imports    call 2: mkdir -p /root/gpu3 && cp .gpu3/*.whl /root/gpu3/
+#          (with resources/ptx-cache.tgz where an earlier run's OUTDIR/ptx.tgz was kept: MLX's compiled
+#          kernels, which scripts/device_gpu.sh primes its cache with)
 #   .gpu2  the wheel's second part, mlx, mlx-lm        call 3: bash .gpu2/install.sh && python3 -m pip install -q \
 #            --no-index --no-deps --no-compile --target /tmp/site2 /root/gpu3/*.whl && export PYTHONPATH=/tmp/site:/tmp/site2 && ...
 # A call carries at most 64 MiB together with the working tree, so everything but MLX's own wheels
@@ -31,6 +33,7 @@ tree=$( (git ls-files -z; git ls-files -z -o --exclude-standard) | du -cb --file
 over=0
 for d in .gpu1 .gpu3 .gpu2; do
   size=$(($(du -sb "$d" | cut -f1) + tree))
+  [[ $d == .gpu3 && -f resources/ptx-cache.tgz ]] && size=$((size + $(du -sb resources/ptx-cache.tgz | cut -f1)))
   echo "call with $d: $(mib "$size") MiB of 64 (the tree $(mib "$tree") MiB)"
   ((size <= 64 * 1048576)) || over=1
 done

@@ -215,7 +215,13 @@ def test_detached_gpu_steps_outlive_the_call_and_the_next_call_waits_on_them(tmp
     fake.write_text(_FAKE_PYTHON)
     fake.chmod(0o755)
     state = tmp_path / "state"
-    env = dict(os.environ, DETACH="1", WORK=str(state / "tree"), PYTHON=str(fake), FAKE_SECONDS="3")
+    primer = tmp_path / "primer"  # an earlier run's compiled kernels (OUTDIR/ptx.tgz)
+    primer.mkdir()
+    (primer / "gather_kernel.ptx").write_text("compiled")
+    subprocess.run(["tar", "czf", tmp_path / "ptx.tgz", "-C", primer, "."], check=True)
+    kernels = tmp_path / "kernels"
+    env = dict(os.environ, DETACH="1", WORK=str(state / "tree"), PYTHON=str(fake), FAKE_SECONDS="3",
+               PTX_CACHE=str(tmp_path / "ptx.tgz"), MLX_PTX_CACHE_DIR=str(kernels))  # fmt: skip
     env.pop("TITAN_RESOURCES", None)
 
     def call(out, budget):
@@ -242,3 +248,8 @@ def test_detached_gpu_steps_outlive_the_call_and_the_next_call_waits_on_them(tmp
     # the copy builds nothing of its own: a model `build` made in the tree is the steps' too
     assert f"with resources at {ROOT}/resources" in log
     assert not (ROOT / "results" / "raw" / "bench" / "fake").exists()
+    # MLX's kernel cache, primed once from the earlier run's, comes back for the next machine
+    assert (kernels / "gather_kernel.ptx").read_text() == "compiled"
+    assert "primed from" in first.stdout and "primed from" not in second.stdout
+    listed = subprocess.run(["tar", "tzf", tmp_path / "out2" / "ptx.tgz"], capture_output=True, text=True)
+    assert "./gather_kernel.ptx" in listed.stdout.split()
