@@ -9,7 +9,10 @@ every skip with its reason. `.ci/run` prints whether the landed tree has a passi
 
 With `--shards N` the test files run in N pytest processes at once (a file's tests stay in one
 process, but for `SPLIT` files, whose tests are independent), each with its own MLX kernel cache
-(`MLX_PTX_CACHE_DIR`: MLX's CUDA backend writes compiled kernels without a lock). The files that
+(`MLX_PTX_CACHE_DIR`: MLX's CUDA backend writes compiled kernels without a lock). Where the caller
+names a cache in `MLX_PTX_CACHE_DIR`, each shard's starts as a copy of it, and what the shards
+compiled is added to it once they end: a fresh machine primed with an earlier run's kernels need
+not compile them in every shard (scripts/device_gpu.sh, PTX_CACHE). The files that
 plan or run the workflow in the checkout stay in one process (`TOGETHER`): Snakemake locks it.
 """
 
@@ -158,6 +161,16 @@ def parse_junit(paths) -> dict:
     return out
 
 
+def gather_kernels(into: Path, caches: list):
+    """Add to the kernel cache `into` what the shards' caches compiled that it lacks. MLX names a
+    cached module's files (`.ptx`, `.txt`, `.cu`) after the module, so a name is one kernel's."""
+    for cache in caches:
+        for f in sorted(cache.iterdir()) if cache.is_dir() else []:
+            if f.is_file() and not (into / f.name).exists():
+                shutil.copy2(f, into / f".{f.name}.tmp")
+                os.replace(into / f".{f.name}.tmp", into / f.name)  # no reader sees half a file
+
+
 def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) -> tuple[dict, Path | None]:
     """Run the suite (in `n_shards` processes) and write its record; returns the result and the path."""
     started = provenance.utc_now()
@@ -166,11 +179,15 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
     work = reports_dir(started) or cache
     device = "gpu" if provenance.device()["device"] == "gpu" else "cpu"
     groups = shards(collect(pytest_args), n_shards, former_seconds(device)) if n_shards > 1 else [None]
+    primer = os.environ.get("MLX_PTX_CACHE_DIR")
+    primer = Path(primer) if primer and n_shards > 1 and Path(primer).is_dir() else None
     procs = []
     for i, group in enumerate(groups):
         env = dict(os.environ)
         if n_shards > 1:
             env["MLX_PTX_CACHE_DIR"] = str(cache / f"ptx-{i}")
+            if primer is not None:
+                shutil.copytree(primer, cache / f"ptx-{i}")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={work / f'shard-{i}.xml'}"]
         cmd += pytest_args if group is None else [a for a in pytest_args if a.startswith("-")] + group
         log = open(work / f"shard-{i}.log", "w")
@@ -183,6 +200,8 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
             tail = (work / f"shard-{i}.log").read_text().splitlines()[-3:]
             print(f"[suite] shard {i}: exit {p.returncode}: {' | '.join(tail)}", flush=True)
         time.sleep(0.5 if running else 0)
+    if primer is not None:
+        gather_kernels(primer, [cache / f"ptx-{i}" for i in range(len(groups))])
     xmls = [work / f"shard-{i}.xml" for i in range(len(groups)) if (work / f"shard-{i}.xml").exists()]
     result = parse_junit(xmls)
     result.update(

@@ -66,7 +66,8 @@ collect() {
 # MLX compiles its CUDA kernels at their first use (NVRTC) into MLX_PTX_CACHE_DIR. On a fresh
 # machine every suite shard compiled the same ones at once (a shard's first decoding test took 150
 # to 290 s). PTX_CACHE (default resources/ptx-cache.tgz: an earlier run's OUTDIR/ptx.tgz, which
-# every collection brings back) primes an empty cache; one cache per MLX version and GPU.
+# every collection brings back) primes an empty cache; one cache per MLX version and GPU. The
+# suite's shards start from copies of it and add what they compiled (harness/suite.py).
 if [[ -z ${MLX_PTX_CACHE_DIR:-} ]]; then
   mlx_version=$($py -c 'import mlx.core as mx; print(mx.__version__)' 2>/dev/null)
   gpu_arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)

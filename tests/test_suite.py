@@ -129,6 +129,33 @@ def _record(raw, tree, device="gpu", failed=0, args=("tests",)):
                             root=raw)  # fmt: skip
 
 
+def test_shards_start_from_the_callers_kernel_cache_and_add_what_they_compiled_to_it(tmp_path):
+    """Each shard keeps a kernel cache of its own (MLX writes one without a lock), made as a copy of
+    the one the caller names, so that an earlier run's compiled kernels are not compiled again in
+    every shard; once the shards end, the caller's cache has every kernel one of them compiled."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    compiles = (
+        "import os, pathlib\n\ndef test_compiles():\n    cache = pathlib.Path(os.environ['MLX_PTX_CACHE_DIR'])\n"
+        "    assert (cache / 'primed.ptx').read_text() == 'earlier'\n"
+        "    (cache / f'{pathlib.Path(__file__).stem}.ptx').write_text('new')\n"
+    )
+    for name in ("test_a.py", "test_b.py"):
+        (tests / name).write_text(compiles)
+    primer = tmp_path / "kernels"
+    primer.mkdir()
+    (primer / "primed.ptx").write_text("earlier")
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from harness import suite; print(suite.run(['tests'], 2, False)[0])"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLX_PTX_CACHE_DIR": str(primer),
+             "TITAN_SUITE_REPORTS": str(tmp_path / "reports")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "'passed': 2" in out.stdout and "'failed': 0" in out.stdout, out.stdout
+    assert sorted(p.name for p in primer.iterdir()) == ["primed.ptx", "test_a.ptx", "test_b.ptx"]
+
+
 def test_tests_not_run_after_a_device_fault_are_told_from_failures(tmp_path):
     """A device fault poisons its pytest process (conftest's DeviceWatch): the tests after it there
     are reported not run, naming the test after which the device faulted. The suite table keeps
