@@ -200,8 +200,8 @@ def run(pytest_args: list, n_shards: int = 1, record: bool = True, root=None) ->
             tail = (work / f"shard-{i}.log").read_text().splitlines()[-3:]
             print(f"[suite] shard {i}: exit {p.returncode}: {' | '.join(tail)}", flush=True)
         time.sleep(0.5 if running else 0)
-    if primer is not None:
-        gather_kernels(primer, [cache / f"ptx-{i}" for i in range(len(groups))])
+    if primer is not None:  # from shards that ended as pytest ends: one that died may have half-written a kernel
+        gather_kernels(primer, [cache / f"ptx-{i}" for p, _, i in procs if p.returncode in range(6)])
     xmls = [work / f"shard-{i}.xml" for i in range(len(groups)) if (work / f"shard-{i}.xml").exists()]
     result = parse_junit(xmls)
     result.update(

@@ -60,7 +60,10 @@ collect() {
   # The jobs' logs and benchmark files say where a step's time went (not committed).
   find results/logs results/benchmarks .snakemake/log -type f -newer "$marker" 2>/dev/null | sort > "$out/new-logs.txt"
   tar czf "$out/logs.tgz" -T "$out/new-logs.txt" 2>/dev/null
-  tar czf "$out/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null
+  # (after a step's processes have ended, so no kernel is half written; renamed, so a reader
+  # never sees half an archive)
+  [[ ${DETACH:-} != 1 ]] && tar czf "$out/.ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . 2>/dev/null &&
+    mv "$out/.ptx.tgz" "$out/ptx.tgz"
   log "collected $(wc -l < "$out/new-raw.txt") raw files, $(wc -l < "$out/new-logs.txt") logs"
 }
 # MLX compiles its CUDA kernels at their first use (NVRTC) into MLX_PTX_CACHE_DIR. On a fresh
@@ -111,6 +114,7 @@ if [[ ${DETACH:-} == 1 ]]; then
   kill "$tailer" 2>/dev/null
   cp "$state/out/log.txt" "$out/log.txt"
   [[ -f $state/out/variants.tgz ]] && cp "$state/out/variants.tgz" "$out/"
+  [[ -f $state/out/ptx.tgz ]] && cp "$state/out/ptx.tgz" "$out/"  # as the last ended step left it
   # what the steps have made so far, a step still running included (its finished jobs' files)
   marker=$state/marker
   (cd "$work" && collect)
