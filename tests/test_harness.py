@@ -975,6 +975,20 @@ def test_the_readme_finds_a_runs_16_gb_budget_however_its_label_is_written():
     assert docblocks._card({k: v for k, v in fig.items() if k != "tok_s[16.00 GB]"}, 16) is None
 
 
+def test_a_budget_whose_measured_peak_was_above_it_is_said_over_in_both_tables():
+    """`--memory` plans from the model's sizes; a run's peak memory is measured. Where a budget's
+    configuration held more than the budget, docs/gpu.md's row says OVER and the README's row says
+    the plan's cards are a plan, naming those budgets; a peak within its budget, or a configuration
+    that is not a budget, says nothing."""
+    from harness.report import docblocks
+
+    fig = {"memory_bytes[resident]": 20e9, "memory_bytes[25%]": 30e9, "memory_bytes[8.00 GB]": 8.9e9,
+           "memory_bytes[16.00 GB]": 15.9e9, "memory_bytes[24.00 GB]": 25.1e9}  # fmt: skip
+    assert docblocks.over_budget(fig) == {8.0: 8.9e9, 24.0: 25.1e9}
+    assert docblocks._over_word([8.0, 24.0]) == " (plan; peak over at 8, 24 GB)"
+    assert docblocks._over_word([]) == ""
+
+
 def test_bench_families_measures_a_family_beside_resident_records_it_once_and_reads_it_into_the_tables(tmp_path):
     """`bench families` on the CPU, as a sweep of one family (each in its own process): built in
     resources of its own, every configuration against resident in the same repeat (a fraction, a

@@ -390,6 +390,17 @@ def _card(fig: dict, gb: int) -> str | None:
     return next((c for c in labels if re.fullmatch(r"\d+(\.\d*)? GB", c) and float(c[:-3]) == gb), None)
 
 
+def over_budget(fig: dict) -> dict:
+    """The `--memory` budgets of a `bench families` run whose configuration's peak memory was above
+    the budget it was planned for: {budget in GB: peak bytes}."""
+    out = {}
+    for f, peak in fig.items():
+        m = re.fullmatch(r"memory_bytes\[(\d+(?:\.\d*)?) GB\]", f)
+        if m and peak > float(m.group(1)) * 1e9:
+            out[float(m.group(1))] = peak
+    return dict(sorted(out.items()))
+
+
 def card_name(chip: str) -> str:
     """A GPU's name as a table cell names it: `NVIDIA H100 80GB HBM3` is the H100 (the full name
     stays in docs/gpu.md's tables and in every record)."""
@@ -417,6 +428,7 @@ def families_table(bench: pd.DataFrame) -> str:
         some = plan or measured[0][1]
         at16 = _held(plan.get("slots[16 GB]"), int(some["experts"]))
         held = [c for c in cards if plan.get(f"slots[{c}]", 0) > 0]
+        over = sorted({gb for _, fig in measured for gb in over_budget(fig)})
         speed = []
         for chip, fig in measured:
             card = _card(fig, 16)
@@ -429,12 +441,19 @@ def families_table(bench: pd.DataFrame) -> str:
                 bound.append(f"`{model}` ({card_name(chip)}) {limits[worst]:.2f}× at {worst}")
         resident = plan.get("resident_bytes") or max(fig["memory_bytes[resident]"] for _, fig in measured)
         out.append(f"| `{model}` | {_gb(some['weights_bytes'])} | {_gb(resident)} | {_gb(some['least_budget_bytes'])} "
-                   f"| {at16} | {f'{held[0]} and up' if held else ''} | {'; '.join(speed) or 'not yet'} |")  # fmt: skip
+                   f"| {at16} | {f'{held[0]} and up' if held else ''}{_over_word(over)} "
+                   f"| {'; '.join(speed) or 'not yet'} |")  # fmt: skip
     text = "\n".join(out)
     if bound:
         text += ("\n\nBound by the bus (what a token reads at its fewest experts caps it at this multiple of "
                  "resident): " + "; ".join(bound) + ".")  # fmt: skip
     return text
+
+
+def _over_word(over: list) -> str:
+    """The README's word where a budget's measured peak was above the budget (the plan's figure
+    for a card is then not what the card needs)."""
+    return f" (plan; peak over at {', '.join(f'{gb:g}' for gb in over)} GB)" if over else ""
 
 
 def _tokens_word(fig: dict) -> str:
@@ -500,15 +519,18 @@ def families_detail(bench: pd.DataFrame) -> str:
         out.append("| | S | tok/s | × resident [min, max] | bus-bound limit | × its limit | first token | memory "
                    "(× resident) | read a token | host a layer | tokens |")  # fmt: skip
         out.append("| --- " * 11 + "|")
+        over = over_budget(fig)
         for c in configs:
             x, lo, hi = (fig[f"x resident{p}[{c}]"] for p in ("", "_min", "_max"))
+            budget = re.fullmatch(r"(\d+(?:\.\d*)?) GB", c)
+            above = f", OVER its {float(budget.group(1)):g} GB" if budget and float(budget.group(1)) in over else ""
             lim, xl = fig[f"limit x resident[{c}]"], fig[f"x limit[{c}]"]
             mark = ""
             if gpu and c in FRACTIONS and xl < FAMILY_LIMIT_TARGET:
                 mark = f" (target {FAMILY_LIMIT_TARGET}: missed by {FAMILY_LIMIT_TARGET - xl:.2f})"
             out.append(f"| {c} | {int(fig[f'slots[{c}]'])} | {fig[f'tok_s[{c}]']:.1f} | "
                        f"{x:.2f}× [{lo:.2f}, {hi:.2f}] | {lim:.2f}× | {xl:.2f}{mark} | {fig[f'ttft_ms[{c}]']:.0f} ms | "
-                       f"{_gb(fig[f'memory_bytes[{c}]'])} ({fig[f'memory x resident[{c}]']:.2f}×) | "
+                       f"{_gb(fig[f'memory_bytes[{c}]'])} ({fig[f'memory x resident[{c}]']:.2f}×{above}) | "
                        f"{fig[f'bytes_read_per_token[{c}]'] / 1e6:.1f} MB | {fig[f'host_ms_per_layer[{c}]']:.3f} ms | "
                        f"{_tokens_cell(fig, c)} |")  # fmt: skip
         if fig.get("resident tokens unstable"):
