@@ -24,6 +24,7 @@
 #   serve (bench serve: the engine's server batched and one at a time beside mlx_lm.server),
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   probe (scripts/probe_exactness.py on FULL, with MLX's CUDA graphs and without; needs build; no record),
+#   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk; needs build; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
 #   decodes of the full-size model, with MLX's CUDA graphs and without; needs build; no record),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
@@ -204,6 +205,9 @@ for step in "$@"; do
             # (scripts/probe_exactness.py; PROMPT_TOKENS, RESIDENT_RUNS; PROBE="STEPS VARIANTS"); needs build
           run $py scripts/probe_exactness.py $full ${PROBE:-4 quarter,full}
           run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_exactness.py $full ${PROBE:-4 quarter,full} ;;
+    peak)  # where resident's peak memory goes over a prompt, by prompt and prefill chunk
+           # (scripts/probe_peak.py on FULL; PEAK="PROMPT_TOKENS ..."; needs build; no record)
+          run $py scripts/probe_peak.py $full ${PEAK:-16 512 2048} ;;
     layer) run $py scripts/probe_layer_cost.py  # needs build
            run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py ;;  # MLX's CUDA graphs' share
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \

@@ -253,3 +253,22 @@ def test_detached_gpu_steps_outlive_the_call_and_the_next_call_waits_on_them(tmp
     assert "primed from" in first.stdout and "primed from" not in second.stdout
     listed = subprocess.run(["tar", "tzf", tmp_path / "out2" / "ptx.tgz"], capture_output=True, text=True)
     assert "./gather_kernel.ptx" in listed.stdout.split()
+
+
+def test_the_peak_probe_separates_a_prompts_prefill_by_its_chunk():
+    """scripts/probe_peak.py (docs/gpu.md: why a plan is a lower bound for a long prompt), on the
+    CPU: a row per prompt and prefill chunk, the peak over the weights beside what a plan counts;
+    the larger chunk of one prompt holds more at once (here MLX's CPU attention materializes a
+    chunk's scores)."""
+    out = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "probe_peak.py", "olmoe-tiny-f32", "256", "--chunks", "64,256",
+         "--tokens", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = {}
+    for line in out.stdout.splitlines():
+        m = re.match(r"\s*(\d+)\s+(\d+)\s+\|\s+([\d.]+) (kB|MB|GB)", line)
+        if m:
+            rows[int(m.group(2))] = float(m.group(3)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(4)]
+    assert set(rows) == {64, 256} and rows[256] > rows[64], out.stdout

@@ -1,0 +1,80 @@
+"""Where a resident model's peak memory goes over a prompt (issue 49: on an H100, `bench families`
+measured peaks above the `--memory` budgets their configurations were planned for).
+
+mlx-lm's own model and `generate_step`, nothing of the engine: for each prompt length and each
+prefill chunk (mlx-lm's `prefill_step_size`), a fresh KV cache, MLX's peak memory after the prompt
+(its first token) and after `--tokens` more, each less the weights; beside them the figures a plan
+counts (the KV cache for those tokens, its margin for activations) and two terms it does not: the
+attention scores of one chunk where they are materialized (heads x chunk x prompt x 4 bytes, twice:
+scores and their softmax) and the logits of the last position. A probe: no record; its lines say
+what a plan would have to count.
+
+    python scripts/probe_peak.py MODEL [PROMPT_TOKENS ...] [--chunks 512,2048] [--tokens 8]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from engine import memory  # noqa: E402
+from engine.models.anatomy import expert_params, moe_blocks  # noqa: E402
+from engine.models.registry import load_reference  # noqa: E402
+
+
+def attention_heads(model) -> int:
+    return memory._arg(model, "num_attention_heads", "num_heads", "n_heads") or 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("prompts", nargs="*", type=int, default=[16, 512, 2048], metavar="PROMPT_TOKENS")
+    ap.add_argument("--chunks", default="512,2048", help="prefill chunks, comma-separated (default 512,2048)")
+    ap.add_argument("--tokens", type=int, default=8, help="tokens decoded after the prompt (default 8)")
+    a = ap.parse_args(argv)
+    chunks = [int(c) for c in a.chunks.split(",")]
+    model, tok, _ = load_reference(a.model)
+    mx.eval(model.parameters())
+    weights = memory.weight_bytes(model)
+    experts = sum(x.nbytes for b in moe_blocks(model) for _, x in expert_params(b.switch))
+    vocab = memory._arg(model, "vocab_size") or 0
+    heads = attention_heads(model)
+    loaded = memory.fmt(mx.get_active_memory())
+    print(f"{a.model} on {mx.default_device()}: weights {memory.fmt(weights)} (experts {memory.fmt(experts)}), "
+          f"{heads} attention heads, vocabulary {vocab}; MLX active after loading {loaded}")  # fmt: skip
+    print("prompt  chunk  | peak over weights: prompt  decode | plan: KV cache  margin | not planned: scores  logits")
+    text = tok.encode("The quick brown fox jumps over the lazy dog, and then it runs far away. ")
+    for n in a.prompts:
+        ids = mx.array((text * (n // len(text) + 1))[:n])
+        for chunk in chunks:
+            if chunk > n and chunk != chunks[0]:
+                continue  # one chunk holds the whole prompt already
+            cache = make_prompt_cache(model)
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            steps = generate_step(ids, model, max_tokens=a.tokens + 1, prompt_cache=cache, prefill_step_size=chunk)
+            first, _ = next(steps)
+            mx.eval(first)
+            prompt_peak = mx.get_peak_memory()
+            for _ in steps:
+                pass
+            peak = mx.get_peak_memory()
+            kv = memory.kv_cache_bytes(model, n + a.tokens)
+            margin = memory._margin(weights - experts, kv)
+            scores = 2 * heads * min(chunk, n) * n * 4
+            logits = vocab * 4
+            cells = [memory.fmt(x) for x in (prompt_peak - weights, peak - weights, kv, margin, scores, logits)]
+            print(f"{n:6d} {min(chunk, n):6d}  | {cells[0]:>24s} {cells[1]:>8s} | {cells[2]:>14s} {cells[3]:>7s} | "
+                  f"{cells[4]:>19s} {cells[5]:>7s}")  # fmt: skip
+            del cache, steps
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
