@@ -23,12 +23,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from engine import memory  # noqa: E402
-from engine.models.anatomy import expert_params, moe_blocks  # noqa: E402
 from engine.models.registry import load_reference  # noqa: E402
-
-
-def attention_heads(model) -> int:
-    return memory._arg(model, "num_attention_heads", "num_heads", "n_heads") or 1
 
 
 def main(argv=None) -> int:
@@ -42,19 +37,16 @@ def main(argv=None) -> int:
     model, tok, _ = load_reference(a.model)
     mx.eval(model.parameters())
     weights = memory.weight_bytes(model)
-    experts = sum(x.nbytes for b in moe_blocks(model) for _, x in expert_params(b.switch))
     vocab = memory._arg(model, "vocab_size") or 0
-    heads = attention_heads(model)
+    heads = memory._arg(model, "num_attention_heads", "num_heads", "n_heads") or 1
     loaded = memory.fmt(mx.get_active_memory())
-    print(f"{a.model} on {mx.default_device()}: weights {memory.fmt(weights)} (experts {memory.fmt(experts)}), "
-          f"{heads} attention heads, vocabulary {vocab}; MLX active after loading {loaded}")  # fmt: skip
+    print(f"{a.model} on {mx.default_device()}: weights {memory.fmt(weights)}, {heads} attention heads, "
+          f"vocabulary {vocab}; MLX active after loading {loaded}")  # fmt: skip
     print("prompt  chunk  | peak over weights: prompt  decode | plan: KV cache  margin | not planned: scores  logits")
     text = tok.encode("The quick brown fox jumps over the lazy dog, and then it runs far away. ")
     for n in a.prompts:
         ids = mx.array((text * (n // len(text) + 1))[:n])
-        for chunk in chunks:
-            if chunk > n and chunk != chunks[0]:
-                continue  # one chunk holds the whole prompt already
+        for chunk in sorted({min(c, n) for c in chunks}):  # a chunk past the prompt is the whole prompt
             cache = make_prompt_cache(model)
             mx.clear_cache()
             mx.reset_peak_memory()
@@ -66,11 +58,11 @@ def main(argv=None) -> int:
                 pass
             peak = mx.get_peak_memory()
             kv = memory.kv_cache_bytes(model, n + a.tokens)
-            margin = memory._margin(weights - experts, kv)
-            scores = 2 * heads * min(chunk, n) * n * 4
+            margin = memory.resident_bytes(model, n + a.tokens) - weights - kv  # the plan's own
+            scores = 2 * heads * chunk * n * 4
             logits = vocab * 4
             cells = [memory.fmt(x) for x in (prompt_peak - weights, peak - weights, kv, margin, scores, logits)]
-            print(f"{n:6d} {min(chunk, n):6d}  | {cells[0]:>24s} {cells[1]:>8s} | {cells[2]:>14s} {cells[3]:>7s} | "
+            print(f"{n:6d} {chunk:6d}  | {cells[0]:>24s} {cells[1]:>8s} | {cells[2]:>14s} {cells[3]:>7s} | "
                   f"{cells[4]:>19s} {cells[5]:>7s}")  # fmt: skip
             del cache, steps
     return 0

@@ -384,21 +384,24 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB"
 
 
+def budget_gb(label: str) -> float | None:
+    """The GB of a configuration named for its `--memory` budget (as engine.memory.fmt names it:
+    `16.00 GB`), else None (a fraction, `pinned 25%`, resident)."""
+    m = re.fullmatch(r"(\d+(?:\.\d*)?) GB", label)
+    return float(m.group(1)) if m else None
+
+
 def _card(fig: dict, gb: int) -> str | None:
-    """The configuration of a `gb` GB budget in a run (named as engine.memory.fmt names it)."""
+    """The configuration of a `gb` GB budget in a run."""
     labels = (f[len("tok_s[") : -1] for f in fig if f.startswith("tok_s["))
-    return next((c for c in labels if re.fullmatch(r"\d+(\.\d*)? GB", c) and float(c[:-3]) == gb), None)
+    return next((c for c in labels if budget_gb(c) == gb), None)
 
 
 def over_budget(fig: dict) -> dict:
     """The `--memory` budgets of a `bench families` run whose configuration's peak memory was above
     the budget it was planned for: {budget in GB: peak bytes}."""
-    out = {}
-    for f, peak in fig.items():
-        m = re.fullmatch(r"memory_bytes\[(\d+(?:\.\d*)?) GB\]", f)
-        if m and peak > float(m.group(1)) * 1e9:
-            out[float(m.group(1))] = peak
-    return dict(sorted(out.items()))
+    budgets = {f: budget_gb(f[len("memory_bytes[") : -1]) for f in fig if f.startswith("memory_bytes[")}
+    return dict(sorted((gb, fig[f]) for f, gb in budgets.items() if gb is not None and fig[f] > gb * 1e9))
 
 
 def card_name(chip: str) -> str:
@@ -522,8 +525,8 @@ def families_detail(bench: pd.DataFrame) -> str:
         over = over_budget(fig)
         for c in configs:
             x, lo, hi = (fig[f"x resident{p}[{c}]"] for p in ("", "_min", "_max"))
-            budget = re.fullmatch(r"(\d+(?:\.\d*)?) GB", c)
-            above = f", OVER its {float(budget.group(1)):g} GB" if budget and float(budget.group(1)) in over else ""
+            gb = budget_gb(c)
+            above = f", OVER its {gb:g} GB" if gb in over else ""
             lim, xl = fig[f"limit x resident[{c}]"], fig[f"x limit[{c}]"]
             mark = ""
             if gpu and c in FRACTIONS and xl < FAMILY_LIMIT_TARGET:
