@@ -88,12 +88,13 @@ def configurations(mid: str, fractions, budgets) -> tuple[dict, dict, dict]:
 
 
 def release():
-    """Free what the configuration before held, before the next one's memory is read. An engine's
-    objects refer to each other (the device install's cache and its layers), so its arrays outlive
-    `close()` and `del` until the garbage collector runs. Left to chance, it can run during a later
-    configuration's load and take the earlier engine's bytes off that one's count: the likely cause
-    of one H100 run's same pinned configuration holding 9.2, 7.4 and 9.2 GB at its 8, 16 and 24 GB
-    budgets (`20261206T121437717Z-03eb37`)."""
+    """Free what the configuration before held, before the next one's memory is read. Objects that
+    refer to each other outlive `close()` and `del` until the garbage collector runs; left to
+    chance, it can run during a later configuration's load and take the earlier engine's bytes off
+    that one's count: the likely cause of one H100 run's same pinned configuration holding 9.2, 7.4
+    and 9.2 GB at its 8, 16 and 24 GB budgets (`20261206T121437717Z-03eb37`). The device install's
+    own cycle is gone (its stats hold the cache weakly); this keeps any other, mlx-lm's included,
+    from counting."""
     gc.collect()
     mx.clear_cache()
 

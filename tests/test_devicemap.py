@@ -21,6 +21,7 @@ from engine.runtime.device import hosttier, kernels, ops, stats
 from engine.runtime.device.ops import map_step_ops
 from engine.runtime.device.state import MapState
 from engine.runtime.loop import decode
+from engine.runtime.slots import aligned_zeros, host_view
 
 
 def reference_step(slot_of, expert_in, stamp, clock, counters, pending, inds, S):
@@ -386,6 +387,39 @@ def test_host_synchronisations_per_decode_token(monkeypatch, install):
         assert all(reads == layers for reads, _ in per_token)
 
 
+def test_aligned_zeros_makes_arrays_past_two_to_the_31_elements():
+    """A host tier of more than 2 GiB of experts (Mixtral's is 25 GB) is one MLX array although
+    MLX's dimensions are 32-bit: zeroed, every row starting on a page, written through its host
+    view and read back by MLX."""
+    rows, inner = 513, 1 << 22  # 2^31 + 2^22 bytes
+    a = aligned_zeros((rows, inner), mx.uint8)
+    assert a.shape == (rows, inner)
+    view = host_view(a)
+    assert [view[r].ctypes.data % 4096 for r in (0, 1, rows - 1)] == [0, 0, 0]
+    view[rows - 1, inner - 1], view[1, 0] = 7, 3
+    assert (a[rows - 1, inner - 1].item(), a[1, 0].item(), a[2].max().item()) == (7, 3, 0)
+
+
+def test_device_install_exact_over_a_host_tier_of_padded_rows(reference, monkeypatch):
+    """The device install's operations (its form where CUDA is not; forced here on any backend)
+    read the host tier however it is laid out: with the rows padded as past 2^31 elements (forced
+    here on a small model), its logits equal mlx-lm's."""
+    monkeypatch.setattr("engine.runtime.slots.FLAT_LIMIT", 1)
+    real = devicecache.DeviceCache.__init__
+    monkeypatch.setattr(
+        devicecache.DeviceCache, "__init__", lambda self, *a, **k: real(self, *a, **{**k, "mode": "ops"})
+    )
+    ref = reference("olmoe-tiny")
+    eng = load("olmoe-tiny", EngineConfig(slots=16, install="device"))
+    try:
+        tier = eng.cache.tier
+        assert host_view(tier.array).strides[0] > tier.record_bytes  # the padded layout
+        _, _, logits = decode(eng.model, ref["ids"], len(ref["tokens"]) - 1, forced=ref["tokens"], keep_logits=True)
+    finally:
+        eng.close()
+    assert max_abs_diff(ref["logits"], logits) == 0.0
+
+
 def test_the_host_tier_is_refused_by_name_when_it_does_not_fit(monkeypatch):
     monkeypatch.setattr(hosttier, "available_bytes", lambda: 1_000_000)
     with pytest.raises(ValueError, match=r"--install device cannot run here: its host tier \(0\.\d+ GB\) does not fit"):
@@ -492,6 +526,29 @@ def test_an_engine_dropped_without_close_gives_its_host_tier_back():
     finally:
         again.close()
     assert not hosttier._SHARED
+
+
+def test_a_closed_engine_frees_its_device_arrays_without_the_garbage_collector():
+    """close() and del give back every array the install made, at once: nothing of it waits in a
+    reference cycle for the collector, which a bench's next configuration would otherwise count,
+    or see freed in the middle of its own load."""
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    gc.disable()
+    try:
+        eng = load("olmoe-tiny-f32", EngineConfig(slots=16, install="device"))
+        ids = eng.tokenizer.encode("a closed engine")
+        list(mlx_lm.stream_generate(eng.model, eng.tokenizer, ids, max_tokens=2))
+        held = mx.get_active_memory() - before
+        eng.close()
+        del eng
+        mx.clear_cache()
+        left = mx.get_active_memory() - before
+    finally:
+        gc.enable()
+    assert held > 1 << 20
+    assert left < held / 100, (held, left)
 
 
 def test_engines_of_one_store_share_its_host_tier():

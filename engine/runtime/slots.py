@@ -106,6 +106,10 @@ def address(a) -> int:
     return np.frombuffer(memoryview(a).cast("B"), np.uint8).ctypes.data
 
 
+# MLX's dimensions are 32-bit: an allocation of this many elements or more cannot be one flat array.
+FLAT_LIMIT = 1 << 31
+
+
 def aligned_zeros(shape, dtype, align=4096):
     """A zeroed MLX array whose data starts on an `align`-byte boundary.
 
@@ -113,16 +117,34 @@ def aligned_zeros(shape, dtype, align=4096):
     into such cache-line-misaligned memory ran 4.5x slower than into aligned memory on this
     machine (AMD EPYC, `rep movsb`). So allocate a little more and keep an aligned view:
     MLX slices and reshapes of contiguous data share the buffer.
+
+    Past `FLAT_LIMIT` elements (a host tier of more than 2 GiB of experts) no flat array exists
+    to slice, so the view is of rows padded by `align` bytes: each row (along the first
+    dimension) is contiguous and starts aligned where a row's bytes are a multiple of `align`,
+    and the whole is strided (read it on the host with `host_view`).
     """
 
     n = int(np.prod(shape))
     item = dtype.size
+    if n + align // item >= FLAT_LIMIT:
+        inner = n // shape[0]
+        big = mx.zeros((shape[0], inner + align // item), dtype=dtype)
+        mx.eval(big)
+        pad = ((-address(big)) % align) // item
+        buf = big[:, pad : pad + inner].reshape(shape)
+        mx.eval(buf)
+        return buf
     big = mx.zeros((n + align // item,), dtype=dtype)
     mx.eval(big)
     pad = ((-address(big)) % align) // item
     buf = big[pad : pad + n].reshape(shape)
     mx.eval(buf)
     return buf
+
+
+def host_view(a) -> np.ndarray:
+    """A NumPy view of an evaluated MLX array's memory, its shape and strides (writes reach it)."""
+    return np.asarray(memoryview(a))
 
 
 class SlotTable:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from ... import device
 from ...device import device_indices
-from ..slots import aligned_zeros
+from ..slots import aligned_zeros, host_view
 from ..store import aligned_empty
 
 
@@ -83,7 +83,7 @@ class HostTier:
             self.array = None
         else:
             self.array = aligned_zeros((self.layers * self.num_experts, self.record_bytes), mx.uint8)
-            self.rows = np.frombuffer(memoryview(self.array).cast("B"), np.uint8).reshape(-1, self.record_bytes)
+            self.rows = host_view(self.array)
         self.fill_seconds = self._fill(progress)
         if cuda:
             rt = device.cuda_runtime()

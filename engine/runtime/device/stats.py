@@ -1,6 +1,7 @@
 """What the device install counts, and where its prefetches run."""
 
 import threading
+import weakref
 
 import mlx.core as mx
 
@@ -15,10 +16,15 @@ class DeviceStats(StepStats):
 
     def __init__(self, cache=None):
         super().__init__()
-        self._cache = cache
+        # Weak: the cache holds its stats, and a cycle between them kept the cache's device arrays
+        # alive after close() and del until the garbage collector ran (10 MB of olmoe-tiny-f32 on
+        # the CPU; a later configuration's load could then count them or see them freed).
+        self._cache = None if cache is None else weakref.proxy(cache)
 
     def reset(self):
-        self.__init__(self._cache)
+        cache = self._cache
+        super().__init__()
+        self._cache = cache
 
     def capture(self) -> dict:
         out = super().capture()
