@@ -959,6 +959,9 @@ def test_where_residents_own_tokens_vary_a_difference_says_so_and_whether_the_en
     assert docblocks._tokens_word(fig) == ", tokens DIFFER (resident's vary too)"
     del fig["tokens in resident runs[25%]"]  # a record from before the bench kept the tokens
     assert docblocks._tokens_word(fig) == ", tokens DIFFER (resident's vary too)"
+    # the run's full-size exactness test (teacher-forced logits against mlx-lm's) then decides
+    assert docblocks._tokens_word(dict(fig, exact_full_size=1.0)) == ", tokens DIFFER (resident's vary too; logits exact)"
+    assert docblocks._tokens_word(dict(fig, exact_full_size=0.0)).endswith("; logits DIFFER)")
 
 
 def test_the_readme_finds_a_runs_16_gb_budget_however_its_label_is_written():
@@ -1046,6 +1049,14 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     diag["result"]["configurations"]["25%"]["tokens_match"] = False
     both = bench_tables.bench_table(recs + [diag])
     assert docblocks.families_table(both) == row
+    # an older commit's run of the family, whose 25% differed: none of its figures stands in the
+    # tables beside the latest run's, not even one the latest run has not got
+    older = dict(recs[0], commit="0" * 40, run_id="00000000T000000000Z-000000", started_utc="2000-01-01T00:00:00.000Z")
+    older["result"] = json.loads(json.dumps(recs[0]["result"]))
+    older["result"]["configurations"]["25%"].update(tokens_match=False, first_difference=[3])
+    assert "first difference[25%]" in set(bench_tables.bench_table([older])["figure"])
+    mixed = bench_tables.bench_table(recs + [older])
+    assert older["run_id"] not in set(mixed["run_id"]) and "first difference[25%]" not in set(mixed["figure"])
     two = docblocks.families_detail(both)
     assert two.count("`bench families` on") == 2 and "under `MLX_USE_CUDA_GRAPHS=0`" in two and "DIFFER" in two
     assert recs[0]["run_id"] in two

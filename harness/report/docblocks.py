@@ -469,7 +469,9 @@ def _tokens_word(fig: dict) -> str:
         return ", tokens DIFFER"
     if all(fig.get(f"tokens in resident runs[{c}]") for c in differ):
         return ", resident's tokens vary"
-    return ", tokens DIFFER (resident's vary too)"
+    # where resident's own greedy tokens vary, the teacher-forced full-size test decides exactness
+    exact = {1.0: "; logits exact", 0.0: "; logits DIFFER"}.get(fig.get("exact_full_size"), "")
+    return f", tokens DIFFER (resident's vary too{exact})"
 
 
 def _tokens_cell(fig: dict, c: str) -> str:

@@ -154,6 +154,24 @@ def without_settings(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[plain] if plain.any() else rows
 
 
+# Benches whose every run measures the whole of its model on a machine: a figure that the latest
+# commit's runs do not have (a configuration whose tokens now equal resident's has no "first
+# difference") is not left standing from an older run beside them.
+WHOLE_RUNS = ("families",)
+
+
+def _whole_runs_latest(rows: list, benches) -> list:
+    """`rows` less those of `benches` whose run's commit is not the commit of the latest run of
+    the same machine, bench, model and settings."""
+    group = MACHINE + ["bench", "model", "settings"]
+    newest = {}
+    for r in rows:
+        if r["bench"] in benches:
+            k = tuple(r[c] for c in group)
+            newest[k] = max(newest.get(k, ("", "", "")), (r["started_utc"], r["run_id"], r["commit"]))
+    return [r for r in rows if r["bench"] not in benches or r["commit"] == newest[tuple(r[c] for c in group)][2]]
+
+
 def bench_table(recs):
     """The engine-core benchmarks, one row per figure: each a ratio measured in one run."""
     rows = []
@@ -248,5 +266,6 @@ def bench_table(recs):
     for row in rows:
         for k in keys:
             row.setdefault(k, None)
+    rows = _whole_runs_latest(rows, WHOLE_RUNS)
     df = latest(rows, keys)
     return df.reindex(columns=cols) if not df.empty else pd.DataFrame(columns=cols)
