@@ -960,7 +960,8 @@ def test_where_residents_own_tokens_vary_a_difference_says_so_and_whether_the_en
     del fig["tokens in resident runs[25%]"]  # a record from before the bench kept the tokens
     assert docblocks._tokens_word(fig) == ", tokens DIFFER (resident's vary too)"
     # the run's full-size exactness test (teacher-forced logits against mlx-lm's) then decides
-    assert docblocks._tokens_word(dict(fig, exact_full_size=1.0)) == ", tokens DIFFER (resident's vary too; logits exact)"
+    exact = docblocks._tokens_word(dict(fig, exact_full_size=1.0))
+    assert exact == ", tokens DIFFER (resident's vary too; logits exact)"
     assert docblocks._tokens_word(dict(fig, exact_full_size=0.0)).endswith("; logits DIFFER)")
 
 
