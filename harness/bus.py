@@ -5,7 +5,10 @@ import os
 import statistics
 import time
 
+import mlx.core as mx
+
 from engine import device
+from engine.runtime.device.cache import DeviceCache
 from engine.runtime.store import aligned_empty
 
 BUS_BYTES = 256 << 20  # what one bandwidth sample moves
@@ -45,3 +48,33 @@ def bus_gb_s(store) -> dict:
         how = "preadv of a store file from the page cache"
     samples = samples[1:]  # the first touches the pages
     return dict(gb_s=n / statistics.median(samples) / 1e9, bytes=n, samples=len(samples), how=how)
+
+
+def tier_gb_s(store, layers: int = 8) -> dict | None:
+    """The rate at which the `device` install reads its own host tier, where it reads it with a
+    kernel (a CUDA GPU: mapped host memory across PCIe, the path of its misses), beside the bus's
+    `cudaMemcpy` above: the many-rows area of every expert of up to `layers` layers spread over the
+    tier (a tier of many GB may lie on more than one NUMA node), each copied and timed alone after
+    one untimed (the kernel's compilation). Median GB/s; None where the install has no kernel
+    (the CPU's operations gather by view: nothing is copied there to time)."""
+    if device.pinned_unavailable() is not None:
+        return None
+    cache = DeviceCache(store, slots=1)  # nothing resident: every expert of an area from the host tier
+    try:
+        if cache.mode != "kernel":
+            return None
+        n = store.num_layers
+        picks = sorted({round(i * (n - 1) / max(1, layers - 1)) for i in range(min(layers, n))})
+        nbytes = cache.num_experts * sum(t.nbytes for t in cache.tensors)
+        mx.eval(cache.area(picks[0], None))
+        samples = []
+        for layer in picks:
+            t0 = time.perf_counter()
+            area = cache.area(layer, None)
+            mx.eval(area)
+            samples.append(time.perf_counter() - t0)
+            del area
+    finally:
+        cache.close()
+    return dict(gb_s=nbytes / statistics.median(samples) / 1e9, bytes=nbytes, layers=picks,
+                how="the device install's area kernel reading its mapped host tier")  # fmt: skip

@@ -40,7 +40,7 @@ from engine.runtime.engine import open_store
 from engine.runtime.loop import call_split, decode, time_split, totals
 
 from . import manyrows, provenance, rawlog, records, suite
-from .bus import bus_gb_s
+from .bus import bus_gb_s, tier_gb_s
 from .report.tables.common import paired
 
 PINNED_FRACTION = 0.25
@@ -164,6 +164,9 @@ def measure(a, mid: str) -> dict:
     store = open_store(mid, model, path)  # built here if absent
     store_s = time.perf_counter() - t0
     bus = bus_gb_s(store)
+    tier = tier_gb_s(store)  # where the device install's misses cross the bus by its own kernel
+    if tier is not None:
+        bus["tier"] = tier
     store.close()
     least = plan(mid, [])["least"]
     del model
@@ -289,8 +292,10 @@ def tokens_said(r: dict, resident_stable: bool = True) -> str:
 
 def show(out: dict):
     res = out["resident"]
+    tier = out["bus"].get("tier")
+    read = f"; {tier['how']}: {tier['gb_s']:.1f} GB/s" if tier else ""
     print(f"{out['model']} ({out['weights_bytes'] / 1e9:.1f} GB; bus {out['bus']['gb_s']:.1f} GB/s, "
-          f"{out['bus']['how']}): resident {res['tok_s']['median'] if res['tok_s'] else float('nan'):.1f} tok/s, "
+          f"{out['bus']['how']}{read}): resident {res['tok_s']['median'] if res['tok_s'] else float('nan'):.1f} tok/s, "
           f"{res['device_memory_bytes'] / 1e9:.2f} GB; the least budget that decodes "
           f"{out['least_budget_bytes'] / 1e9:.2f} GB")  # fmt: skip
     for k, r in out["configurations"].items():

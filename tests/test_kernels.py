@@ -292,3 +292,35 @@ def test_the_emulator_runs_a_warps_lanes_together(emulated):
     (out,) = k(inputs=[mx.zeros((1,), mx.int32)], output_shapes=[(32,)], output_dtypes=[mx.int32],
                grid=(32, 1, 1), threadgroup=(32, 1, 1))  # fmt: skip
     assert np.array(out).tolist() == [sum(range(32))] * 32
+
+
+@cpu_only
+def test_the_tier_read_rate_times_the_install_s_own_kernel_over_layers_spread_over_the_tier(emulated_device):
+    """`bench families` records, beside the bus's cudaMemcpy, how fast the device install's own
+    kernel reads its host tier (the path of a miss): every expert of layers spread from the first
+    to the last, through the area kernel; where the install has no kernel (the CPU's operations),
+    nothing is timed and nothing is said."""
+    from engine.models import registry
+    from engine.runtime.engine import open_store
+    from harness.bus import tier_gb_s
+
+    model, _, _, path = registry.load("olmoe-tiny", lazy=True)
+    store = open_store("olmoe-tiny", model, path)
+    try:
+        launches = emulated_device.launches
+        read = tier_gb_s(store, layers=3)
+        first, middle, last = read["layers"]
+        assert first == 0 and 0 < middle < last == store.num_layers - 1
+        assert read["bytes"] == store.num_experts(0) * sum(t.nbytes for t in store.tensors) and read["gb_s"] > 0
+        assert emulated_device.launches - launches == 1 + 3  # the untimed one, then one per layer
+        assert "kernel" in read["how"]
+    finally:
+        store.close()
+
+
+@cpu_only
+def test_the_tier_read_rate_is_not_measured_where_the_install_has_no_kernel():
+    from harness.bus import tier_gb_s
+
+    assert device.pinned_unavailable() is not None  # this machine: the CPU
+    assert tier_gb_s(store=None) is None

@@ -519,7 +519,9 @@ def families_detail(bench: pd.DataFrame) -> str:
                    + (f" under `{fig['settings']}`" if fig["settings"] else "")
                    + f", {int(fig['repeats'])} repeat{'s' if int(fig['repeats']) != 1 else ''} each "
                    f"against resident in the same repeat; resident {res or float('nan'):.1f} tok/s, "
-                   f"{_gb(fig['memory_bytes[resident]'])}; the bus {fig['bus_gb_s']:.1f} GB/s:")  # fmt: skip
+                   f"{_gb(fig['memory_bytes[resident]'])}; the bus {fig['bus_gb_s']:.1f} GB/s"
+                   + (f" (the device install's kernel read its host tier at {fig['tier_gb_s']:.1f})"
+                      if "tier_gb_s" in fig else "") + ":")  # fmt: skip
         out.append("")
         out.append("| | S | tok/s | × resident [min, max] | bus-bound limit | × its limit | first token | memory "
                    "(× resident) | read a token | host a layer | tokens |")  # fmt: skip

@@ -128,6 +128,8 @@ def families_figures(res: dict) -> dict:
     figs.update(least_budget_bytes=res["least_budget_bytes"], weights_bytes=res["weights_bytes"],
                 bus_gb_s=res["bus"]["gb_s"], repeats=res["repeats"], experts=res["shape"]["experts"],
                 layers=res["shape"]["layers"])  # fmt: skip
+    if "tier" in res["bus"]:  # the device install's own kernel reading its host tier (records since)
+        figs["tier_gb_s"] = res["bus"]["tier"]["gb_s"]
     return figs
 
 
