@@ -26,7 +26,7 @@
 #   probe (scripts/probe_exactness.py on FULL, with MLX's CUDA graphs and without; needs build; no record),
 #   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk; needs build; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
-#   decodes of the full-size model, with MLX's CUDA graphs and without; needs build; no record),
+#   decodes of FULL at LAYER_SLOTS (default 16), with MLX's CUDA graphs and without; needs build; no record),
 #   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
@@ -208,8 +208,9 @@ for step in "$@"; do
     peak)  # where resident's peak memory goes over a prompt, by prompt and prefill chunk
            # (scripts/probe_peak.py on FULL; PEAK="PROMPT_TOKENS ..."; needs build; no record)
           run $py scripts/probe_peak.py $full ${PEAK:-16 512 2048} ;;
-    layer) run $py scripts/probe_layer_cost.py  # needs build
-           run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py ;;  # MLX's CUDA graphs' share
+    layer) args=("$full" "${LAYER_TOKENS:-64}" "${LAYER_ROUNDS:-5}" "${LAYER_SLOTS:-16}")  # needs build
+           run $py scripts/probe_layer_cost.py "${args[@]}"
+           run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py "${args[@]}" ;;  # MLX's CUDA graphs' share
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
               --installs pinned --overlap on --record ;;
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}

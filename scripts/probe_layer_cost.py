@@ -12,7 +12,10 @@ logits (the slots they read are not the experts routed to) and exist to split th
   the router's indices modulo S), so that what is left is the step kernel's source and map step;
 - no launch: the step replaced by one MLX operation (the router's indices modulo S), so what is
   left is the engine's Python around it;
-- no step: the layer's SwitchGLU called on those indices directly, the engine's wrapper bypassed.
+- no step: the layer's SwitchGLU called on those indices directly, the engine's wrapper bypassed;
+- no counters: the device install as it is, its counters never captured, so that the loop reads
+  nothing back between one token and the next call (does that read wait for the next token's
+  kernels? The families records show up to 25 ms a token outside graph, queue and eval).
 
 The differences (device - map only, map only - no launch, no launch - no step, no step -
 resident) are the fill's inputs, the launch itself, the engine's Python, and what the wrapper's
@@ -21,7 +24,7 @@ call costs; device - tiny kernel is what the step kernel's own source and work c
 step runs both). Rounds interleave the variants; medians over rounds of the host's ms per token
 (building the graph, queueing it, waiting for the token). Prints a table; no record (a probe).
 
-    python scripts/probe_layer_cost.py [MODEL] [TOKENS] [ROUNDS]
+    python scripts/probe_layer_cost.py [MODEL] [TOKENS] [ROUNDS] [SLOTS]
 """
 
 import contextlib
@@ -38,12 +41,14 @@ from engine import EngineConfig, device, load  # noqa: E402
 from engine.runtime import moe  # noqa: E402
 from engine.runtime.device import cache as devicecache  # noqa: E402
 from engine.runtime.device import kernel_source, kernels  # noqa: E402
+from engine.runtime.device.stats import DeviceStats  # noqa: E402
 from engine.runtime.loop import call_split, decode, totals  # noqa: E402
+from engine.runtime.moe import StepStats  # noqa: E402
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else "olmoe-1b-7b-shape"
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 ROUNDS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-S = 16
+S = int(sys.argv[4]) if len(sys.argv) > 4 else 16  # a family of 8 experts (Mixtral's) takes fewer
 
 
 @contextlib.contextmanager
@@ -106,6 +111,7 @@ VARIANTS = {
     "header file": (S, lambda: patched(kernels, "STEP_HEADER", f'#include "{HEADER_FILE}"\n')),
     "no launch": (S, lambda: patched(devicecache.DeviceCache, "map_step", no_launch)),
     "no step": (S, lambda: patched(moe.SlotSwitchGLU, "__call__", no_step)),
+    "no counters": (S, lambda: patched(DeviceStats, "capture", StepStats.capture)),
 }
 
 if device.kind() != "gpu":
