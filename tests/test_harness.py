@@ -1042,6 +1042,11 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     assert docblocks.families_table(table.iloc[:0]).startswith("No `bench plan` or `bench families` is recorded yet")
     detail = docblocks.families_detail(table)
     assert "| 25% | 32 |" in detail and "= resident" in detail and "(target" not in detail  # targets: a GPU's
+    assert "host tier at" not in detail  # the CPU's install reads its tier by no kernel: no rate recorded
+    timed = json.loads(json.dumps(recs[0]))  # a GPU's record: its install's kernel timed over the tier
+    timed["result"]["bus"]["tier"] = dict(gb_s=47.5, bytes=1, layers=[0], how="the device install's area kernel")
+    header = docblocks.families_detail(bench_tables.bench_table([timed])).splitlines()[0]
+    assert header.endswith(" GB/s (the device install's kernel read its host tier at 47.5):")
     # a later run under MLX settings (a diagnosis) is a run of its own: the docs show it beside the
     # plain one, while the README's table and the figure keep the plain run
     diag = dict(recs[0], settings={"MLX_USE_CUDA_GRAPHS": "0"}, run_id="99999999T000000000Z-000000",
