@@ -143,8 +143,12 @@ def _engine_loop(model, ids, tokens: int, layers: int) -> dict:
     t = totals(recs)
     split, calls = time_split(recs), call_split(recs)
     host = calls.get("graph", 0.0) - split.get("sync", 0.0) - split.get("stall", 0.0)
+    # a step's seconds run from one read-back to the next: the first decode step's also hold what
+    # the prompt left queued, which the call split (the host's own calls) does not show
+    steps = [1e3 * r["seconds"] for r in recs if r["phase"] == "decode"]
     return dict(bytes_read_per_token=t["bytes_read"] / max(1, t["tokens"]), time_split_ms=split,
-                call_split_ms=calls, host_ms_per_layer=host / max(1, layers))  # fmt: skip
+                call_split_ms=calls, host_ms_per_layer=host / max(1, layers),
+                step_ms=dict(first=steps[0], later=statistics.mean(steps[1:])) if len(steps) > 1 else None)  # fmt: skip
 
 
 def measure(a, mid: str) -> dict:
@@ -177,7 +181,7 @@ def measure(a, mid: str) -> dict:
     ref = registry.load_reference(mid)[0]
     manyrows.first_token(ref, ids[:64], 2)  # warm-up: first-call compilation
     # resident's distinct greedy token sequences over all its runs, in the order first seen, and how often
-    resident = dict(ttft=[], tok_s=[], grew=0, held=mx.get_active_memory() - base, runs={})
+    resident = dict(ttft=[], tok_s=[], later=[], first_ms=[], grew=0, held=mx.get_active_memory() - base, runs={})
     results = {}
     for i, (name, cfg) in enumerate(configs.items()):
         release()
@@ -191,23 +195,25 @@ def measure(a, mid: str) -> dict:
         try:
             manyrows.first_token(eng.model, ids[:64], 2)
             held = mx.get_active_memory() - before  # its weights and slot tables (the host tier is not MLX's)
-            runs = dict(ttft=[], tok_s=[], match=[], first=[], tokens=[], grew=0)
+            runs = dict(ttft=[], tok_s=[], later=[], first_ms=[], match=[], first=[], tokens=[], grew=0)
             for r in range(a.repeats):
                 order = [("resident", ref), (name, eng.model)]
                 pair = {}
                 for who, m in order if r % 2 == 0 else order[::-1]:
-                    pair[who] = manyrows.first_token(m, ids, a.tokens)  # (ttft, tok/s, tokens, memory added)
-                (rs, rt, rtoks, rg), (es, et, etoks, eg) = pair["resident"], pair[name]
-                resident["ttft"].append(rs)
-                resident["tok_s"].append(rt)
-                resident["grew"] = max(resident["grew"], rg)
-                resident["runs"][tuple(rtoks)] = resident["runs"].get(tuple(rtoks), 0) + 1
-                runs["ttft"].append(es)
-                runs["tok_s"].append(et)
-                runs["match"].append(etoks == rtoks)
-                runs["first"].append(first_difference(etoks, rtoks))
-                runs["tokens"].append(list(etoks))
-                runs["grew"] = max(runs["grew"], eg)
+                    pair[who] = manyrows.timed_generate(m, ids, a.tokens)
+                got, want = pair[name], pair["resident"]
+                for into, t in ((resident, want), (runs, got)):
+                    into["ttft"].append(t["ttft"])
+                    into["tok_s"].append(t["tok_s"])
+                    into["grew"] = max(into["grew"], t["grew"])
+                    # the first decode token apart from the rest: work the prompt left queued waits there
+                    iv = t["intervals"]
+                    into["first_ms"].append(1e3 * iv[0] if iv else 0.0)
+                    into["later"].append((len(iv) - 1) / sum(iv[1:]) if len(iv) > 1 else t["tok_s"])
+                resident["runs"][tuple(want["tokens"])] = resident["runs"].get(tuple(want["tokens"]), 0) + 1
+                runs["match"].append(got["tokens"] == want["tokens"])
+                runs["first"].append(first_difference(got["tokens"], want["tokens"]))
+                runs["tokens"].append(list(got["tokens"]))
             loop = _engine_loop(eng.model, ids[:64], a.tokens, len(eng.store.layers))
             results[name] = dict(
                 slots=eng.config.slots,
@@ -216,6 +222,9 @@ def measure(a, mid: str) -> dict:
                 ttft_s=manyrows.spread(runs["ttft"]),
                 tok_s=manyrows.spread(runs["tok_s"]),
                 x_resident=paired(runs["tok_s"], resident["tok_s"][-a.repeats :]),
+                first_decode_ms=manyrows.spread(runs["first_ms"]),
+                tok_s_after_first=manyrows.spread(runs["later"]),
+                x_resident_after_first=paired(runs["later"], resident["later"][-a.repeats :]),
                 ttft_x_resident=paired(resident["ttft"][-a.repeats :], runs["ttft"]),
                 tokens_match=all(runs["match"]),
                 first_difference=runs["first"],
@@ -259,6 +268,8 @@ def measure(a, mid: str) -> dict:
         resident=dict(
             tok_s=manyrows.spread(resident["tok_s"]) if resident["tok_s"] else None,
             ttft_s=manyrows.spread(resident["ttft"]) if resident["ttft"] else None,
+            first_decode_ms=manyrows.spread(resident["first_ms"]) if resident["first_ms"] else None,
+            tok_s_after_first=manyrows.spread(resident["later"]) if resident["later"] else None,
             device_memory_bytes=resident["held"] + resident["grew"],
             tokens_stable=len(resident["runs"]) <= 1,
             token_runs=[dict(tokens=list(t), runs=n) for t, n in resident["runs"].items()],

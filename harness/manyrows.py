@@ -59,9 +59,11 @@ def long_ids(tok, n: int, prompt_set: str) -> list:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def first_token(model, ids, decode_tokens: int):
-    """One prompt through mlx-lm's `generate_step`: seconds to its first token, the tok/s of the
-    `decode_tokens` after it (None if 0), the greedy tokens, and the most memory it added."""
+def timed_generate(model, ids, decode_tokens: int) -> dict:
+    """One prompt through mlx-lm's `generate_step`: `ttft` (seconds to its first token), `tok_s`
+    of the `decode_tokens` after it (None if 0), `intervals` (each decode token's seconds after
+    the one before: work the prompt left queued shows in the first), the greedy `tokens`, and
+    `grew`, the most memory it added."""
     mx.reset_peak_memory()
     start = mx.get_active_memory()
     t0 = time.perf_counter()
@@ -70,7 +72,14 @@ def first_token(model, ids, decode_tokens: int):
         times.append(time.perf_counter())
         tokens.append(int(token))
     tok_s = (len(times) - 1) / (times[-1] - times[0]) if decode_tokens else None
-    return times[0] - t0, tok_s, tokens, max(0, mx.get_peak_memory() - start)
+    return dict(ttft=times[0] - t0, tok_s=tok_s, intervals=[b - a for a, b in zip(times, times[1:])],
+                tokens=tokens, grew=max(0, mx.get_peak_memory() - start))  # fmt: skip
+
+
+def first_token(model, ids, decode_tokens: int):
+    """`timed_generate`'s seconds to the first token, tok/s, tokens and memory added, as a tuple."""
+    t = timed_generate(model, ids, decode_tokens)
+    return t["ttft"], t["tok_s"], t["tokens"], t["grew"]
 
 
 def _load(mid, configs):

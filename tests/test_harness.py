@@ -1024,6 +1024,11 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     assert [t["tokens"] for t in res["resident"]["token_runs"]] == [quarter["tokens_each_repeat"][0]]
     assert res["resident"]["token_runs"][0]["runs"] == 2 * 2  # two configurations measured, two repeats each
     assert 0 < quarter["limit_x_resident"] <= 1 and res["bus"]["gb_s"] > 0 and res["least_budget_bytes"] > 1e6
+    # the first decode token apart from the rest, in every repeat (what a prompt left queued waits there),
+    # and the engine's loop's first decode step apart from its mean step
+    assert quarter["first_decode_ms"]["n"] == 2 and res["resident"]["first_decode_ms"]["n"] == 2 * 2
+    assert quarter["tok_s_after_first"]["min"] > 0 and quarter["x_resident_after_first"]["median"] > 0
+    assert quarter["step_ms"]["first"] > 0 and quarter["step_ms"]["later"] > 0
     with pytest.raises(SystemExit, match="qwen3moe-tiny has no full-size exactness test"):  # before it builds
         harness_main(cmd[cmd.index("bench") :] + ["--exactness"])
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
@@ -1043,6 +1048,9 @@ def test_bench_families_measures_a_family_beside_resident_records_it_once_and_re
     detail = docblocks.families_detail(table)
     assert "| 25% | 32 |" in detail and "= resident" in detail and "(target" not in detail  # targets: a GPU's
     assert "host tier at" not in detail  # the CPU's install reads its tier by no kernel: no rate recorded
+    first = next(line for line in detail.splitlines() if line.startswith("The first decode token apart"))
+    assert "resident " in first and "; 25% " in first and "× resident's after its own first" in first
+    assert "The engine's loop over a 64-token prompt" in first and "25% " in first.split("64-token prompt")[1]
     timed = json.loads(json.dumps(recs[0]))  # a GPU's record: its install's kernel timed over the tier
     timed["result"]["bus"]["tier"] = dict(gb_s=47.5, bytes=1, layers=[0], how="the device install's area kernel")
     header = docblocks.families_detail(bench_tables.bench_table([timed])).splitlines()[0]

@@ -130,6 +130,15 @@ def families_figures(res: dict) -> dict:
                 layers=res["shape"]["layers"])  # fmt: skip
     if "tier" in res["bus"]:  # the device install's own kernel reading its host tier (records since)
         figs["tier_gb_s"] = res["bus"]["tier"]["gb_s"]
+    # the first decode token apart from the rest (records since): what a prompt left queued waits there
+    for k, c in [("resident", res["resident"]), *res["configurations"].items()]:
+        if c.get("first_decode_ms"):
+            figs[f"first_decode_ms[{k}]"] = c["first_decode_ms"]["median"]
+            _spread_figures(figs, "tok_s_after_first", k, c["tok_s_after_first"])
+        if "x_resident_after_first" in c:
+            _spread_figures(figs, "x resident after first", k, c["x_resident_after_first"])
+        if c.get("step_ms"):  # the engine's loop over a short prompt: its first decode step, the rest's mean
+            figs[f"loop_first_ms[{k}]"], figs[f"loop_later_ms[{k}]"] = c["step_ms"]["first"], c["step_ms"]["later"]
     return figs
 
 
