@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from engine import device
 from engine.runtime.device.cache import DeviceCache
+from engine.runtime.device.hosttier import HostTierError
 from engine.runtime.store import aligned_empty
 
 BUS_BYTES = 256 << 20  # what one bandwidth sample moves
@@ -56,10 +57,14 @@ def tier_gb_s(store, layers: int = 8) -> dict | None:
     `cudaMemcpy` above: the many-rows area of every expert of up to `layers` layers spread over the
     tier (a tier of many GB may lie on more than one NUMA node), each copied and timed alone after
     one untimed (the kernel's compilation). Median GB/s; None where the install has no kernel
-    (the CPU's operations gather by view: nothing is copied there to time)."""
+    (the CPU's operations gather by view: nothing is copied there to time); `gb_s` None, and why,
+    where the host tier cannot be made."""
     if device.pinned_unavailable() is not None:
         return None
-    cache = DeviceCache(store, slots=1)  # nothing resident: every expert of an area from the host tier
+    try:
+        cache = DeviceCache(store, slots=1)  # nothing resident: every expert of an area from the host tier
+    except HostTierError as e:  # no room for the tier here: then no configuration runs the device install
+        return dict(gb_s=None, how=f"not measured: {e}")
     try:
         if cache.mode != "kernel":
             return None

@@ -304,7 +304,7 @@ def tokens_said(r: dict, resident_stable: bool = True) -> str:
 def show(out: dict):
     res = out["resident"]
     tier = out["bus"].get("tier")
-    read = f"; {tier['how']}: {tier['gb_s']:.1f} GB/s" if tier else ""
+    read = f"; {tier['how']}" + (f": {tier['gb_s']:.1f} GB/s" if tier["gb_s"] else "") if tier else ""
     print(f"{out['model']} ({out['weights_bytes'] / 1e9:.1f} GB; bus {out['bus']['gb_s']:.1f} GB/s, "
           f"{out['bus']['how']}{read}): resident {res['tok_s']['median'] if res['tok_s'] else float('nan'):.1f} tok/s, "
           f"{res['device_memory_bytes'] / 1e9:.2f} GB; the least budget that decodes "

@@ -324,3 +324,19 @@ def test_the_tier_read_rate_is_not_measured_where_the_install_has_no_kernel():
 
     assert device.pinned_unavailable() is not None  # this machine: the CPU
     assert tier_gb_s(store=None) is None
+
+
+@cpu_only
+def test_the_tier_read_rate_says_why_where_the_host_tier_does_not_fit(emulated_device, monkeypatch):
+    from engine.models import registry
+    from engine.runtime.engine import open_store
+    from harness.bus import tier_gb_s
+
+    monkeypatch.setattr(hosttier, "fits", lambda n, margin=0.8: False)
+    model, _, _, path = registry.load("olmoe-tiny", lazy=True)
+    store = open_store("olmoe-tiny", model, path)
+    try:
+        read = tier_gb_s(store)
+    finally:
+        store.close()
+    assert read["gb_s"] is None and read["how"].startswith("not measured: the host tier of olmoe-tiny needs")

@@ -128,7 +128,7 @@ def families_figures(res: dict) -> dict:
     figs.update(least_budget_bytes=res["least_budget_bytes"], weights_bytes=res["weights_bytes"],
                 bus_gb_s=res["bus"]["gb_s"], repeats=res["repeats"], experts=res["shape"]["experts"],
                 layers=res["shape"]["layers"])  # fmt: skip
-    if "tier" in res["bus"]:  # the device install's own kernel reading its host tier (records since)
+    if res["bus"].get("tier", {}).get("gb_s"):  # the device install's own kernel reading its host tier
         figs["tier_gb_s"] = res["bus"]["tier"]["gb_s"]
     # the first decode token apart from the rest (records since): what a prompt left queued waits there
     for k, c in [("resident", res["resident"]), *res["configurations"].items()]:
