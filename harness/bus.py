@@ -7,9 +7,8 @@ import time
 
 import mlx.core as mx
 
-from engine import device
-from engine.runtime.device.cache import DeviceCache
-from engine.runtime.device.hosttier import HostTierError
+from engine import EngineConfig, device
+from engine.runtime.engine import build_cache
 from engine.runtime.store import aligned_empty
 
 BUS_BYTES = 256 << 20  # what one bandwidth sample moves
@@ -61,9 +60,9 @@ def tier_gb_s(store, layers: int = 8) -> dict | None:
     where the host tier cannot be made."""
     if device.pinned_unavailable() is not None:
         return None
-    try:
-        cache = DeviceCache(store, slots=1)  # nothing resident: every expert of an area from the host tier
-    except HostTierError as e:  # no room for the tier here: then no configuration runs the device install
+    try:  # one slot a layer, nothing in it: every expert of an area comes from the host tier
+        cache = build_cache(store, 1, EngineConfig(install="device"), device_ok=True)
+    except (ValueError, RuntimeError) as e:  # its host tier does not fit, or CUDA refused it
         return dict(gb_s=None, how=f"not measured: {e}")
     try:
         if cache.mode != "kernel":
