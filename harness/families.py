@@ -145,10 +145,10 @@ def _engine_loop(model, ids, tokens: int, layers: int) -> dict:
     host = calls.get("graph", 0.0) - split.get("sync", 0.0) - split.get("stall", 0.0)
     # a step's seconds run from one read-back to the next: the first decode step's also hold what
     # the prompt left queued, which the call split (the host's own calls) does not show
-    steps = [1e3 * r["seconds"] for r in recs if r["phase"] == "decode"]
+    apart = manyrows.first_apart([1e3 * r["seconds"] for r in recs if r["phase"] == "decode"])
     return dict(bytes_read_per_token=t["bytes_read"] / max(1, t["tokens"]), time_split_ms=split,
                 call_split_ms=calls, host_ms_per_layer=host / max(1, layers),
-                step_ms=dict(first=steps[0], later=statistics.mean(steps[1:])) if len(steps) > 1 else None)  # fmt: skip
+                step_ms=dict(zip(("first", "later"), apart)) if apart else None)  # fmt: skip
 
 
 def measure(a, mid: str) -> dict:
@@ -208,8 +208,9 @@ def measure(a, mid: str) -> dict:
                     into["grew"] = max(into["grew"], t["grew"])
                     # the first decode token apart from the rest: work the prompt left queued waits there
                     iv = t["intervals"]
-                    into["first_ms"].append(1e3 * iv[0] if iv else 0.0)
-                    into["later"].append((len(iv) - 1) / sum(iv[1:]) if len(iv) > 1 else t["tok_s"])
+                    first, later = manyrows.first_apart(iv) or (iv[0] if iv else 0.0, None)
+                    into["first_ms"].append(1e3 * first)
+                    into["later"].append(1 / later if later else t["tok_s"])
                 resident["runs"][tuple(want["tokens"])] = resident["runs"].get(tuple(want["tokens"]), 0) + 1
                 runs["match"].append(got["tokens"] == want["tokens"])
                 runs["first"].append(first_difference(got["tokens"], want["tokens"]))

@@ -76,6 +76,12 @@ def timed_generate(model, ids, decode_tokens: int) -> dict:
                 tokens=tokens, grew=max(0, mx.get_peak_memory() - start))  # fmt: skip
 
 
+def first_apart(seconds: list) -> tuple[float, float] | None:
+    """A decode's first token's seconds and the mean of the rest's (None with fewer than two): what
+    a prompt left queued is waited for in the first."""
+    return (seconds[0], statistics.mean(seconds[1:])) if len(seconds) > 1 else None
+
+
 def first_token(model, ids, decode_tokens: int):
     """`timed_generate`'s seconds to the first token, tok/s, tokens and memory added, as a tuple."""
     t = timed_generate(model, ids, decode_tokens)
