@@ -883,6 +883,24 @@ def test_the_bus_limit_of_a_batch_is_residents_step_over_the_bus_time_of_every_e
     assert bus_limit(dict(gb_s=100.0), [64], 10**6, 8, {16: 100.0})["bus_limit_x_resident"]["16"] == 1.0
 
 
+def test_where_a_batchs_rows_name_every_expert_the_bus_carries_all_but_the_slots_experts():
+    from harness.report.tables.bench import many_rows_figures
+
+    # the record above at B = 16 (128 MB a step, 0.32 s at 0.4 GB/s; resident 0.16 s a step): with
+    # 16 of 64 experts a layer in the slots, 96 MB cross, 0.24 s (2/3); with 32, 64 MB, 0.16 s (1)
+    tok = dict(median=100.0, min=90.0, max=110.0, n=3)
+    res = dict(bench="batch", repeats=3, install={"S=16": "device", "S=32": "device"}, top_k=8, experts=64,
+               bus=dict(gb_s=0.4), tok_s={k: {"16": tok, "4": tok} for k in ("resident", "S=16", "S=32")},
+               x_resident={k: {"16": tok, "4": tok} for k in ("resident", "S=16", "S=32")},
+               tokens_match={"resident": True, "S=16": True, "S=32": True},
+               step_bytes={"16": 128 * 10**6, "4": 64 * 10**6}, bus_limit_x_resident={"16": 0.5, "4": 0.5})  # fmt: skip
+    figs = many_rows_figures(res)
+    assert figs["bus limit x resident[S=16/device@B16]"] == pytest.approx(2 / 3)
+    assert figs["bus limit x resident[S=32/device@B16]"] == 1.0
+    # 4 rows of top-8 need not name every expert: no limit of that kind there
+    assert not any(f.startswith("bus limit x resident[S=") and f.endswith("@B4]") for f in figs)
+
+
 def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it(tmp_path):
     """`bench plan --record` plans families for CUDA cards from their shapes (nothing built, one
     record, a result a family), and the README's "will it fit your card" table is read from it:

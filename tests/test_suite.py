@@ -545,6 +545,15 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     assert ("the bus's limit where a step's rows name every expert, each read once a step at the 50.0 GB/s "
             "the run measured: B = 16 0.44× (reached 0.75 of it)") in text  # fmt: skip
     assert "B = 4 0.80×" not in text
+    # a run that counts the slots: the bus carries every expert but the S a layer's slots hold
+    slot = {**bat, "bus limit x resident[S=16/device/union@B16]": 0.55}
+    both_b = rows + [(*base, "batch", m, None, None, None, 64, f, v) for f, v in slot.items()]
+    text = docblocks.many_rows(bench_rows([r for r in both_b if r[3] == "prefill" or r[-2] in slot]))
+    assert ("the bus's limit where a step's rows name every expert, every expert but the 16 its slots hold read "
+            "once a step at the 50.0 GB/s the run measured: B = 16 0.55× (reached 0.60 of it)") in text  # fmt: skip
+    table = docblocks.many_rows_tables(bench_rows([(*base, "batch", m, None, None, None, 64, f, v)
+                                                   for f, v in slot.items()]))  # fmt: skip
+    assert "| the bus's limit at S = 16, every other expert read once a step |  | 0.55× |" in table
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert "(target" not in docblocks.many_rows(bench_rows(cpu))  # targets are the GPU's full-size model's
     assert "No `bench prefill`" in docblocks.many_rows(bench_rows([]))

@@ -260,10 +260,15 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
             # where the time goes: the bus, where the step's rows name every expert of each layer
             every = [B for B in sizes if bfig.get(f"rows name every expert[B{B}]")]
             if every:
-                limits = ", ".join(f"B = {B} {bfig[f'bus limit x resident[B{B}]']:.2f}× (reached "
-                                   f"{bfig[f'x resident[{bc}@B{B}]'] / bfig[f'bus limit x resident[B{B}]']:.2f} of it)"
-                                   for B in every)  # fmt: skip
-                parts.append(f"the bus's limit where a step's rows name every expert, each read once a step at "
+                # recorded before the limit counted the slots: every expert read once a step
+                held = all(f"bus limit x resident[{bc}@B{B}]" in bfig for B in every)
+                lim = {B: bfig[f"bus limit x resident[{bc}@B{B}]" if held else f"bus limit x resident[B{B}]"]
+                       for B in every}  # fmt: skip
+                limits = ", ".join(f"B = {B} {lim[B]:.2f}× (reached {bfig[f'x resident[{bc}@B{B}]'] / lim[B]:.2f} "
+                                   "of it)" for B in every)  # fmt: skip
+                what = (f"every expert but the {bc.split('/')[0][2:]} its slots hold read once a step" if held
+                        else "each read once a step")  # fmt: skip
+                parts.append(f"the bus's limit where a step's rows name every expert, {what} at "
                              f"the {bfig['bus_gb_s']:.1f} GB/s the run measured: {limits}")  # fmt: skip
         matched = [v for f, v in {**fig, **bfig}.items() if f.startswith("tokens_match[")]
         parts.append("greedy tokens equal resident's in " + ("every run" if all(matched) else
@@ -324,7 +329,15 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
             out.append("| | " + " | ".join(head) + " |")
             out.append("| --- " * (len(head) + 1) + "|")
             out += ["| " + _area(c) + " | " + " | ".join(r) + " |" for c, r in zip(configs, rows)]
-            if kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
+            if kind == "batch" and any(f"bus limit x resident[{c}@{a}]" in fig for c in configs for a in ats):
+                # where the rows name every expert: the bus carries all but the S the slots hold
+                for S in sorted({int(c.split("/")[0][2:]) for c in configs}):
+                    c = next(c for c in configs if c.startswith(f"S={S}/"))
+                    limits = [f"{fig[f'bus limit x resident[{c}@{a}]']:.2f}×" if f"bus limit x resident[{c}@{a}]"
+                              in fig else "" for a in ats]  # fmt: skip
+                    out.append(f"| the bus's limit at S = {S}, every other expert read once a step | "
+                               + " | ".join(limits) + " |")  # fmt: skip
+            elif kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
                 limits = [f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
                           else "" for a in ats]  # fmt: skip
                 out.append("| the bus's limit, every expert read once a step | " + " | ".join(limits) + " |")

@@ -81,7 +81,10 @@ def many_rows_figures(res: dict) -> dict:
         for b, x in res.get("bus_limit_x_resident", {}).items():  # recorded since the bus was measured
             figs[f"bus limit x resident[B{b}]"] = x
             figs[f"step_bytes[B{b}]"] = res["step_bytes"][b]
-            figs[f"rows name every expert[B{b}]"] = float(int(b) * res["top_k"] >= res["experts"])
+            every = int(b) * res["top_k"] >= res["experts"]
+            figs[f"rows name every expert[B{b}]"] = float(every)
+            if every:
+                figs.update(_slot_limits(res, b, k_))
         if "bus" in res:
             figs["bus_gb_s"] = res["bus"]["gb_s"]
     figs.update({f"tokens_match[{k_(k)}]": float(v) for k, v in res["tokens_match"].items()})
@@ -89,6 +92,22 @@ def many_rows_figures(res: dict) -> dict:
         figs.update({f"default[{k_(k)}]": float(v == res["default_install"]) for k, v in res["install"].items()})
     figs["repeats"] = res["repeats"]
     return figs
+
+
+def _slot_limits(res: dict, b: str, k_) -> dict:
+    """Each configuration's bus limit at a B whose rows name every expert of a layer: the S experts
+    its slots hold reach the many-rows area from the device (a resident one from its slot), so the
+    bus carries the other E - S a layer once a step; resident's time a step over the larger of that
+    time and the bus's for those bytes."""
+    E, out = res["experts"], {}
+    resident_s = int(b) / res["tok_s"]["resident"][b]["median"]
+    for k in res["tok_s"]:
+        if not k.startswith("S="):
+            continue
+        S = int(k.split("/")[0][2:])
+        bus_s = res["step_bytes"][b] * max(0, E - S) / E / (res["bus"]["gb_s"] * 1e9)
+        out[f"bus limit x resident[{k_(k)}@B{b}]"] = resident_s / max(resident_s, bus_s)
+    return out
 
 
 def families_figures(res: dict) -> dict:
