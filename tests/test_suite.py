@@ -549,7 +549,7 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     slot = {**bat, "bus limit x resident[S=16/device/union@B16]": 0.55}
     both_b = rows + [(*base, "batch", m, None, None, None, 64, f, v) for f, v in slot.items()]
     text = docblocks.many_rows(bench_rows([r for r in both_b if r[3] == "prefill" or r[-2] in slot]))
-    assert ("the bus's limit where a step's rows name every expert, every expert but the 16 its slots hold read "
+    assert ("the bus's limit where a step's rows name every expert, all but the slots' 16 read "
             "once a step at the 50.0 GB/s the run measured: B = 16 0.55× (reached 0.60 of it)") in text  # fmt: skip
     table = docblocks.many_rows_tables(bench_rows([(*base, "batch", m, None, None, None, 64, f, v)
                                                    for f, v in slot.items()]))  # fmt: skip

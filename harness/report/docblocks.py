@@ -266,7 +266,7 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                        for B in every}  # fmt: skip
                 limits = ", ".join(f"B = {B} {lim[B]:.2f}× (reached {bfig[f'x resident[{bc}@B{B}]'] / lim[B]:.2f} "
                                    "of it)" for B in every)  # fmt: skip
-                what = (f"every expert but the {bc.split('/')[0][2:]} its slots hold read once a step" if held
+                what = (f"all but the slots' {bc.split('/')[0][2:]} read once a step" if held
                         else "each read once a step")  # fmt: skip
                 parts.append(f"the bus's limit where a step's rows name every expert, {what} at "
                              f"the {bfig['bus_gb_s']:.1f} GB/s the run measured: {limits}")  # fmt: skip
