@@ -510,6 +510,37 @@ def test_the_serve_sentence_names_each_server_with_its_latency_and_memory():
     assert "0.33× of mlx_lm.server [0.03, 0.42], first round" in text and "target" not in text
 
 
+def test_the_readmes_many_rows_table_reads_each_target_from_the_latest_gpu_run_that_measured_it():
+    """One row per issue 48 target: the default path against resident (mlx_lm.server for serve),
+    met or missed by how much, the bus's limit beside a batch bound by it, and the card and run it
+    comes from; a CPU run alone gives the sentence instead."""
+    m, gpu = "olmoe-1b-7b-shape", ("gpu", "NVIDIA H200", "h")
+    pre = {"repeats": 3, "tokens_match[resident]": 1.0, "tokens_match[S=16/device]": 1.0,
+           "x resident[S=16/device@2048]": 0.9, "x resident_min[S=16/device@2048]": 0.88,
+           "x resident_max[S=16/device@2048]": 0.95, "x resident[S=8/device@2048]": 0.7,
+           "decode x resident[S=16/device]": 0.75, "memory x resident[S=16/device]": 0.5}  # fmt: skip
+    bat = {"repeats": 3, "tokens_match[S=16/device]": 0.0, "x resident[S=16/device@B16]": 0.22,
+           "x resident_min[S=16/device@B16]": 0.2, "x resident_max[S=16/device@B16]": 0.23,
+           "bus limit x resident[S=16/device@B16]": 0.24}  # fmt: skip
+    srv = {"clients": 8, "x reference[engine S=16]": 0.4, "x reference[engine S=16 one at a time]": 0.2,
+           "latency_p99_s[engine S=16]": 2.5, "latency_p99_s[mlx_lm.server]": 0.8}  # fmt: skip
+    frame = pd.concat([bench_rows([(*gpu, "prefill", m, None, None, None, 64, f, v) for f, v in pre.items()]),
+                       bench_rows([(*gpu, "batch", m, None, None, None, 64, f, v) for f, v in bat.items()], "b1"),
+                       bench_rows([(*gpu, "serve", m, None, None, None, 32, f, v) for f, v in srv.items()], "s1")])  # fmt: skip
+    table = docblocks.many_rows_targets(frame)
+    assert "| time to first token, 2048-token prompt, S = 16 | 0.90× [0.88, 0.95] (target 0.85 met) | H200, " in table
+    assert "| time to first token, 2048-token prompt, S = 8 | 0.70× (target 0.8 missed by 0.10) |" in table
+    assert "| peak memory over the prompts, S = 16 (at most) | 0.50× (target 0.45 missed by 0.05) |" in table
+    assert ("| `batch_generate`, B = 16, S = 16 | 0.22× [0.20, 0.23] (target 0.3 missed by 0.08); the bus's "
+            "limit 0.24× | H200, `b1` |") in table  # fmt: skip
+    assert ("| 8 clients through `serve`, × mlx_lm.server | 0.40× (target 0.3 met); p99 2.50 s (mlx_lm.server "
+            "0.80 s) | H200, `s1` |") in table  # fmt: skip
+    assert "one at a time" not in table and "B = 4" not in table  # a target not measured has no row
+    assert table.endswith("Greedy tokens equal resident's in 2 of 3 configurations of these.")
+    cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
+    assert docblocks.many_rows_targets(bench_rows(cpu)).startswith("On EPYC (cpu)")
+
+
 def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_its_ablation():
     """The README's many-rows sentence, from the latest prefill and batch runs of a machine and model:
     the device install's default (the rows' own area, not the next layer's copied ahead) at each S

@@ -280,6 +280,84 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
     return " ".join(out)
 
 
+def many_rows_targets(bench: pd.DataFrame) -> str:
+    """The README's table of issue 48's targets, each read from the latest run on a GPU's full-size
+    model that measured it (`bench prefill`, `bench batch`, `bench serve`): the default path's
+    ratio to resident (to mlx_lm.server for `serve`) in the same repeat, median [min, max], met or
+    missed by how much, and where a batch is bound by the bus, its limit. Without such a run, the
+    sentence of every machine (`many_rows`)."""
+    b = bench[bench["bench"].isin(["prefill", "batch", "serve"])]
+    b = b[[_has_targets(d, m) for d, m in zip(b["device"], b["model"])]]
+    runs = {k: one_run(b[b["bench"] == k], "x re") for k in ("prefill", "batch", "serve")}
+    if not any(len(r) for r in runs.values()):
+        return many_rows(bench, only_targets=True)
+    rows, matched = [], []
+    for kind, run in runs.items():
+        if not len(run):
+            continue
+        fig, on = (
+            dict(zip(run["figure"], run["value"])),
+            f"{run['chip'].iloc[0].removeprefix('NVIDIA ')}, `{run['run_id'].iloc[0]}`",
+        )
+        matched += [v for f, v in fig.items() if f.startswith("tokens_match[")]
+        if kind == "prefill":
+            for (S, n), t in sorted(PREFILL_TARGETS.items(), key=lambda st: (st[0][1], -st[0][0])):
+                c = _config(fig, "x resident[", S)
+                if c is not None and f"x resident[{c}@{n}]" in fig:
+                    rows.append(
+                        (
+                            f"time to first token, {n}-token prompt, S = {S}",
+                            _verdict(fig, "x resident", f"{c}@{n}", t),
+                            on,
+                        )
+                    )
+            c = _config(fig, "x resident[", 16)
+            if c is not None:
+                n = max(int(f.rsplit("@", 1)[1][:-1]) for f in fig if f.startswith(f"x resident[{c}@"))
+                rows.append(
+                    (
+                        f"decode after the {n}-token prompt, S = 16",
+                        _verdict(fig, "decode x resident", c, AFTER_PROMPT_TARGET),
+                        on,
+                    )
+                )
+                rows.append(
+                    (
+                        "peak memory over the prompts, S = 16 (at most)",
+                        _verdict(fig, "memory x resident", c, MEMORY_TARGET, at_most=True),
+                        on,
+                    )
+                )
+        elif kind == "batch":
+            c = _config(fig, "x resident[", 16)
+            for (_, B), t in sorted(BATCH_TARGETS.items(), key=lambda st: st[0][1]):
+                if c is None or f"x resident[{c}@B{B}]" not in fig:
+                    continue
+                x = _verdict(fig, "x resident", f"{c}@B{B}", t)
+                if f"bus limit x resident[{c}@B{B}]" in fig:
+                    x += f"; the bus's limit {fig[f'bus limit x resident[{c}@B{B}]']:.2f}×"
+                rows.append((f"`batch_generate`, B = {B}, S = 16", x, on))
+        else:
+            names = [f.split("[", 1)[1][:-1] for f in fig if f.startswith("x reference[") and "one at a time" not in f]
+            for n in names:
+                ref = next((f for f in fig if f.startswith("latency_p99_s[") and "mlx_lm" in f), None)
+                p99 = f"; p99 {fig[f'latency_p99_s[{n}]']:.2f} s" + (
+                    f" (mlx_lm.server {fig[ref]:.2f} s)" if ref else ""
+                )
+                clients = int(fig.get("clients", 0))
+                rows.append(
+                    (
+                        f"{clients} clients through `serve`, × mlx_lm.server",
+                        _verdict(fig, "x reference", n, SERVE_TARGET) + p99,
+                        on,
+                    )
+                )
+    out = ["| issue 48's target | × resident, median [min, max] | on |", "| --- | --- | --- |"]
+    out += [f"| {w} | {x} | {on} |" for w, x, on in rows]
+    same = "every run" if all(matched) else f"{int(sum(matched))} of {len(matched)} configurations"
+    return "\n".join(out) + f"\n\nGreedy tokens equal resident's in {same} of these."
+
+
 def _area(config: str) -> str:
     s, install, *area = config.split("/")
     way = {"union": ", the rows' area", "ahead": ", next layer ahead"}.get(area[0] if area else "", "")
@@ -842,7 +920,7 @@ def build(tables: dict, root=".", raw=None, by_file=None) -> list:
     if "bench" in tables:
         blocks["device-install"] = device_install(tables["bench"])
         blocks["serve-bench"] = serve_bench(tables["bench"])
-        blocks["many-rows"] = many_rows(tables["bench"], only_targets=True)
+        blocks["many-rows"] = many_rows_targets(tables["bench"])
         blocks["many-rows-all"] = many_rows(tables["bench"])
         blocks["many-rows-tables"] = many_rows_tables(tables["bench"])
         blocks["families"] = families_table(tables["bench"])
