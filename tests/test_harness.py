@@ -1181,3 +1181,24 @@ def test_bench_families_frees_one_configuration_before_reading_the_next_ones_mem
     finally:
         if was:
             gc.enable()
+
+
+def test_the_many_rows_figure_marks_the_bus_limit_where_a_batch_names_every_expert():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from harness.report.plotting import _bus_limits
+
+    # resident 1000 tok/s at B = 16; the limit at S = 16 is 0.25 of it: a bar at 250 tok/s there
+    g = pd.DataFrame(dict(config=["resident", "resident"], x=[4.0, 16.0], value=[400.0, 1000.0]))
+    limits = pd.DataFrame(dict(config=["S=16/device/union", "S=16/device/ahead"], x=[16.0, 16.0], value=[0.25, 0.25]))
+    fig, ax = plt.subplots()
+    _bus_limits(ax, g, limits)
+    (bar,) = ax.collections  # one S, one bar
+    assert bar.get_label() == "bus's limit, S = 16"
+    (seg,) = bar.get_segments()
+    assert seg[0][1] == seg[1][1] == 250.0 and seg[0][0] < 16 < seg[1][0]
+    plt.close(fig)

@@ -486,6 +486,7 @@ def many_rows(figdir):
     latest run of each machine and model, resident as the reference."""
     b = _read(figdir, "bench")
     prefill, batch = _latest_figures(b, "prefill", "ttft_ms"), _latest_figures(b, "batch", "tok_s")
+    limits = _latest_figures(b, "batch", "bus limit x resident")
     keys = sorted(set(prefill.groupby(["machine", "model"]).groups) | set(batch.groupby(["machine", "model"]).groups))
     if not keys:
         return _empty(figdir, "many_rows", "bench prefill or batch records")
@@ -500,17 +501,35 @@ def many_rows(figdir):
                 err = [h["value"] - h["value_min"].fillna(h["value"]), h["value_max"].fillna(h["value"]) - h["value"]]
                 panel.errorbar(h["x"], h["value"], yerr=err, marker="*" if ref else "o", capsize=3,
                                color="k" if ref else f"C{i}", linewidth=2 if ref else 1, label=config)  # fmt: skip
+            if panel is bx:
+                _bus_limits(bx, g, limits[(limits["machine"] == key[0]) & (limits["model"] == key[1])])
             panel.set_xscale("log", base=2)
             panel.set_xlabel(xlabel)
             panel.set_ylabel(ylabel)
             if not g.empty:
                 panel.legend(fontsize=6)
+            else:  # this machine measured the other bench only
+                panel.text(0.5, 0.5, "not measured here", ha="center", va="center", transform=panel.transAxes)
         ax.set_yscale("log")
         ax.set_title(f"{key[1]}, {key[0]}: time to first token", fontsize=8)
         bx.set_title(f"{key[1]}, {key[0]}: batch_generate", fontsize=8)
     fig.suptitle("Many rows at once (medians; whiskers: min..max over interleaved repeats)", fontsize=9)
     fig.tight_layout()
     _save(fig, figdir, "many_rows")
+
+
+def _bus_limits(panel, g: pd.DataFrame, limits: pd.DataFrame):
+    """The bus's limit of each S at the B whose rows name every expert, as tok/s (the limit's
+    multiple of resident's tok/s at that B): a dashed bar at each such B, one colour an S."""
+    res = g[g["config"] == "resident"].set_index("x")["value"]
+    limits = limits.assign(S=limits["config"].str.extract(r"^S=(\d+)/", expand=False))
+    for j, (S, h) in enumerate(limits.dropna(subset=["S"]).groupby("S", sort=True)):
+        h = h.drop_duplicates("x").sort_values("x")
+        h = h[h["x"].isin(res.index)]
+        if len(h):
+            y = h["value"].to_numpy() * res[h["x"]].to_numpy()  # a short dashed bar at each such B
+            panel.hlines(y, h["x"] / 1.3, h["x"] * 1.3, linestyles="--", linewidth=1.5,
+                         colors="C3" if j == 0 else f"C{3 + j}", label=f"bus's limit, S = {S}")  # fmt: skip
 
 
 def _config_figures(g: pd.DataFrame) -> dict:
