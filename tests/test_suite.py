@@ -524,8 +524,9 @@ def test_the_readmes_many_rows_table_reads_each_target_from_the_latest_gpu_run_t
            "bus limit x resident[S=16/device@B16]": 0.24}  # fmt: skip
     srv = {"clients": 8, "x reference[engine S=16]": 0.4, "x reference[engine S=16 one at a time]": 0.2,
            "latency_p99_s[engine S=16]": 2.5, "latency_p99_s[mlx_lm.server]": 0.8}  # fmt: skip
+    runs = (("prefill", pre, "p1"), ("batch", bat, "b1"), ("serve", srv, "s1"))
     frame = pd.concat([bench_rows([(*gpu, kind, m, None, None, None, 64, f, v) for f, v in figs.items()], rid)
-                       for kind, figs, rid in (("prefill", pre, "p1"), ("batch", bat, "b1"), ("serve", srv, "s1"))])  # fmt: skip
+                       for kind, figs, rid in runs])  # fmt: skip
     table = docblocks.many_rows_targets(frame)
     assert "| time to first token, 2048-token prompt, S = 16 | 0.90× [0.88, 0.95] (target 0.85 met) | H200, " in table
     assert "| time to first token, 2048-token prompt, S = 8 | 0.70× (target 0.8 missed by 0.10) |" in table
