@@ -53,6 +53,11 @@ def many_rows_key(res: dict):
     return key
 
 
+def config_slots(config: str) -> int:
+    """S of a `bench prefill` or `bench batch` configuration's name (`S=16/device/union`: 16)."""
+    return int(config.split("/")[0].removeprefix("S="))
+
+
 def _spread_figures(figs: dict, name: str, key: str, sp: dict):
     figs[f"{name}[{key}]"] = sp["median"]
     figs[f"{name}_min[{key}]"], figs[f"{name}_max[{key}]"] = sp["min"], sp["max"]
@@ -104,8 +109,7 @@ def _slot_limits(res: dict, b: str, k_) -> dict:
     for k in res["tok_s"]:
         if not k.startswith("S="):
             continue
-        S = int(k.split("/")[0][2:])
-        bus_s = res["step_bytes"][b] * max(0, E - S) / E / (res["bus"]["gb_s"] * 1e9)
+        bus_s = res["step_bytes"][b] * max(0, E - config_slots(k)) / E / (res["bus"]["gb_s"] * 1e9)
         out[f"bus limit x resident[{k_(k)}@B{b}]"] = resident_s / max(resident_s, bus_s)
     return out
 
