@@ -19,17 +19,22 @@ asserted: the machines are noisy."""
 
 import statistics
 import time
+from collections import Counter
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import batch_generate, generate_step
 
 from engine import EngineConfig, load, memory
 from engine.models import registry
+from engine.models.anatomy import moe_blocks
 from engine.predict import prompts
 from engine.runtime.installs import choose as choose_install
 from engine.runtime.loop import model_bytes
 
 from .bus import bus_gb_s
+from .report.tables.bench import config_slots, named_limit
 from .report.tables.common import paired
 
 AHEAD = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
@@ -191,6 +196,7 @@ def batch(a):
                     resp = batch_generate(models[k], tok, sets[b], max_tokens=a.tokens, return_token_ids=True)
                     tps[k][b].append(resp.stats.generation_tps)
                     ids[k].setdefault(b, resp.token_ids)
+        named = {b: named_experts(models["resident"], tok, sets[b], a.tokens) for b in batches}
         installs = {k: e.install.name for k, e in engines.items()}
         store = next(iter(engines.values())).store  # every configuration reads the same store
         bus, experts, expert_bytes = bus_gb_s(store), [n["experts"] for n in store.layers], store.expert_bytes
@@ -210,6 +216,7 @@ def batch(a):
         tok_s={k: {str(b): spread(v) for b, v in per.items()} for k, per in tps.items()},
         x_resident={k: {str(b): paired(v, res[b]) for b, v in per.items()} for k, per in tps.items()},
         tokens_match={k: all(ids[k][b] == ids["resident"][b] for b in batches) for k in names},
+        named_experts={str(b): v for b, v in named.items()},
     )
     top_k = registry.shape(mid)["top_k"]
     out.update(bus_limit(bus, experts, expert_bytes, top_k, {b: statistics.median(res[b]) for b in batches}))
@@ -223,7 +230,49 @@ def batch(a):
         print(f"  {k:14s} " + "; ".join(parts) + ("" if out["tokens_match"][k] else "  tokens DIFFER"))
     print(f"  {'bus limit':14s} " + "; ".join(f"B={b}: x{x:.2f}" for b, x in out["bus_limit_x_resident"].items())
           + f"  ({bus['gb_s']:.1f} GB/s, {bus['how']})")  # fmt: skip
+    for k in (k for k in names if k.startswith("S=")):  # what the experts the rows named allow S held
+        lim = [named_limit(out["named_experts"][str(b)], config_slots(k), expert_bytes, bus["gb_s"],
+                           statistics.median(res[b])) for b in batches]  # fmt: skip
+        print(f"  {'  at ' + k:14s} " + "; ".join(f"B={b}: x{x:.2f}" for b, x in zip(batches, lim)))
     return out
+
+
+class _NamedCounter(nn.Module):
+    """Stands in for a switch module while a batch decodes: keeps the expert indices of each call
+    of at most `rows` rows (a decode step's, one a sequence; a prompt's are more), then runs the
+    original."""
+
+    def __init__(self, switch, rows: int, sink: list):
+        super().__init__()
+        self.switch, self._rows, self._sink = switch, rows, sink
+
+    def __call__(self, x, indices, *args, **kwargs):
+        if indices.size // indices.shape[-1] <= self._rows:
+            self._sink.append(indices)
+        return self.switch(x, indices, *args, **kwargs)
+
+
+def named_experts(model, tok, ids: list, tokens: int) -> dict:
+    """How many distinct experts the rows of a decode step name, per MoE layer, over one untimed
+    `batch_generate` of `ids` on `model` (resident's: every configuration's tokens are compared with
+    its): `counts` maps a count u to the (step, layer) pairs that named u experts, `steps` and `rows`
+    are the decode steps and their rows (tokens) a layer. A path holding S of a layer's experts
+    must bring max(0, u - S) of them across the bus, whatever it does: the bus's limit where the
+    rows name fewer than every expert. Needs prompts of at least 3 tokens (a prompt's rows are then
+    more than the batch's)."""
+    blocks, sinks = moe_blocks(model), []
+    for b in blocks:
+        sinks.append([])
+        setattr(b.parent, b.attr, _NamedCounter(b.switch, len(ids), sinks[-1]))
+    try:
+        batch_generate(model, tok, ids, max_tokens=tokens)
+    finally:
+        for b in blocks:
+            setattr(b.parent, b.attr, b.switch)
+    counts = Counter(int(np.unique(np.array(i)).size) for sink in sinks for i in sink)
+    first = sinks[0] if sinks else []
+    return dict(steps=len(first), rows=sum(i.size // i.shape[-1] for i in first), layers=len(blocks),
+                counts={str(u): n for u, n in sorted(counts.items())})  # fmt: skip
 
 
 def bus_limit(bus: dict, experts: list, expert_bytes: int, top_k: int, resident_tok_s: dict) -> dict:
@@ -236,4 +285,5 @@ def bus_limit(bus: dict, experts: list, expert_bytes: int, top_k: int, resident_
         step_bytes[str(b)] = sum(min(e, b * top_k) for e in experts) * expert_bytes
         resident_s, bus_s = b / tok_s, step_bytes[str(b)] / (bus["gb_s"] * 1e9)
         limit[str(b)] = resident_s / max(resident_s, bus_s)
-    return dict(bus=bus, top_k=top_k, experts=max(experts), step_bytes=step_bytes, bus_limit_x_resident=limit)
+    return dict(bus=bus, top_k=top_k, experts=max(experts), expert_bytes=expert_bytes, step_bytes=step_bytes,
+                bus_limit_x_resident=limit)  # fmt: skip

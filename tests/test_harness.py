@@ -868,6 +868,15 @@ def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compar
     assert bat["bus"]["gb_s"] > 0 and bat["step_bytes"]["4"] == 4 * bat["step_bytes"]["1"]
     assert all(0 < x <= 1 for x in bat["bus_limit_x_resident"].values())
     assert many_rows_figures(bat)["rows name every expert[B4]"] == 0.0
+    # what the decode steps' rows named, counted on resident's run: one row names its top-k; four
+    # name at least that and at most 4 x top-k; every layer of every step counted once
+    one, four = bat["named_experts"]["1"], bat["named_experts"]["4"]
+    assert one["counts"] == {str(bat["top_k"]): one["steps"] * one["layers"]} and one["rows"] == one["steps"] > 0
+    assert four["rows"] == 4 * four["steps"] and sum(four["counts"].values()) == four["steps"] * four["layers"]
+    assert all(bat["top_k"] <= int(u) <= min(bat["experts"], 4 * bat["top_k"]) for u in four["counts"])
+    figs = many_rows_figures(bat)
+    assert bat["top_k"] <= figs["named experts a layer[B4]"] <= 4 * bat["top_k"]
+    assert 0 < figs["bus limit x resident[S=16/device/union@B4]"] <= 1  # a limit at every B now
     assert "tokens DIFFER" not in capsys.readouterr().out
 
 
@@ -899,6 +908,29 @@ def test_where_a_batchs_rows_name_every_expert_the_bus_carries_all_but_the_slots
     assert figs["bus limit x resident[S=32/device@B16]"] == 1.0
     # 4 rows of top-8 need not name every expert: no limit of that kind there
     assert not any(f.startswith("bus limit x resident[S=") and f.endswith("@B4]") for f in figs)
+
+
+def test_where_a_batch_counted_the_experts_its_rows_named_the_bus_carries_those_beyond_the_slots():
+    """Rows that name fewer than every expert get a limit too, from the count: a layer whose step
+    named u experts sends max(0, u - S) across the bus, whatever the path does."""
+    from harness.report.tables.bench import many_rows_figures, named_limit
+
+    # 2 decode steps of 4 rows (8 tokens) over 2 layers: the four (step, layer) pairs named 20, 20,
+    # 30 and 30 experts of 1 MB; at S = 16, 4 + 4 + 14 + 14 = 36 MB cross, 4.5 MB a token, 45 ms at
+    # 0.1 GB/s; resident's 40 tok/s is 25 ms a token: 25/45. At S = 32 nothing need cross: 1.
+    named = dict(steps=2, rows=8, layers=2, counts={"20": 2, "30": 2})
+    assert named_limit(named, 16, 10**6, 0.1, 40.0) == pytest.approx(25 / 45)
+    assert named_limit(named, 32, 10**6, 0.1, 40.0) == 1.0
+    tok = dict(median=40.0, min=30.0, max=50.0, n=3)
+    res = dict(bench="batch", repeats=3, install={"S=16": "device", "S=32": "device"}, top_k=8, experts=64,
+               bus=dict(gb_s=0.1), expert_bytes=10**6, tok_s={k: {"4": tok} for k in ("resident", "S=16", "S=32")},
+               x_resident={k: {"4": tok} for k in ("resident", "S=16", "S=32")}, named_experts={"4": named},
+               tokens_match={"resident": True, "S=16": True, "S=32": True},
+               step_bytes={"4": 64 * 10**6}, bus_limit_x_resident={"4": 0.5})  # fmt: skip
+    figs = many_rows_figures(res)
+    assert figs["named experts a layer[B4]"] == 25.0 and figs["rows name every expert[B4]"] == 0.0
+    assert figs["bus limit x resident[S=16/device@B4]"] == pytest.approx(25 / 45)
+    assert figs["bus limit x resident[S=32/device@B4]"] == 1.0
 
 
 def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it(tmp_path):

@@ -257,8 +257,10 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                 x = _verdict(bfig, "x resident", f"{bc}@B{B}", t) if t else f"{bfig[f'x resident[{bc}@B{B}]']:.2f}×"
                 each.append(f"B = {B} {x}")
             parts.append(f"`batch_generate` at S = 16 ({bc.split('/')[1]}): " + ", ".join(each))
-            # where the time goes: the bus, where the step's rows name every expert of each layer
-            every = [B for B in sizes if bfig.get(f"rows name every expert[B{B}]")]
+            # where the time goes: the bus, from the experts a step's rows named where the run
+            # counted them, else where they name every expert of each layer
+            named = [B for B in sizes if f"named experts a layer[B{B}]" in bfig]
+            every = named or [B for B in sizes if bfig.get(f"rows name every expert[B{B}]")]
             if every:
                 # recorded before the limit counted the slots: every expert read once a step
                 held = all(f"bus limit x resident[{bc}@B{B}]" in bfig for B in every)
@@ -266,9 +268,14 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                        for B in every}  # fmt: skip
                 limits = ", ".join(f"B = {B} {lim[B]:.2f}× (reached {bfig[f'x resident[{bc}@B{B}]'] / lim[B]:.2f} "
                                    "of it)" for B in every)  # fmt: skip
-                what = (f"all but the slots' {config_slots(bc)} read once a step" if held
-                        else "each read once a step")  # fmt: skip
-                parts.append(f"the bus's limit where a step's rows name every expert, {what} at "
+                if named:
+                    counts = ", ".join(f"{bfig[f'named experts a layer[B{B}]']:.1f} at B = {B}" for B in named)
+                    where = (f"from the experts a step's rows named a layer ({counts}, of {bfig['experts']:.0f}), "
+                             f"all but the slots' {config_slots(bc)} read once a step")  # fmt: skip
+                else:
+                    where = "where a step's rows name every expert, " + (
+                        f"all but the slots' {config_slots(bc)} read once a step" if held else "each read once a step")
+                parts.append(f"the bus's limit {where} at "
                              f"the {bfig['bus_gb_s']:.1f} GB/s the run measured: {limits}")  # fmt: skip
         matched = [v for f, v in {**fig, **bfig}.items() if f.startswith("tokens_match[")]
         parts.append("greedy tokens equal resident's in " + ("every run" if all(matched) else
@@ -396,12 +403,19 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
             out.append("| --- " * (len(head) + 1) + "|")
             out += ["| " + _area(c) + " | " + " | ".join(r) + " |" for c, r in zip(configs, rows)]
             if kind == "batch" and any(f"bus limit x resident[{c}@{a}]" in fig for c in configs for a in ats):
-                # where the rows name every expert: the bus carries all but the S the slots hold
+                # the bus carries all but the S the slots hold of what the rows named (counted since;
+                # before, only where the rows name every expert)
+                named = any(f"named experts a layer[{a}]" in fig for a in ats)
+                if named:
+                    out.append("| experts a step's rows named, a layer's mean | " + " | ".join(
+                        f"{fig[f'named experts a layer[{a}]']:.1f}" if f"named experts a layer[{a}]" in fig else ""
+                        for a in ats) + " |")  # fmt: skip
+                what = "each expert the rows named beyond the slots" if named else "every other expert"
                 for S in sorted({config_slots(c) for c in configs}):
                     c = next(c for c in configs if c.startswith(f"S={S}/"))
                     limits = [f"{fig[f'bus limit x resident[{c}@{a}]']:.2f}×" if f"bus limit x resident[{c}@{a}]"
                               in fig else "" for a in ats]  # fmt: skip
-                    out.append(f"| the bus's limit at S = {S}, every other expert read once a step | "
+                    out.append(f"| the bus's limit at S = {S}, {what} read once a step | "
                                + " | ".join(limits) + " |")  # fmt: skip
             elif kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
                 limits = [f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")

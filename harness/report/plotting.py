@@ -519,8 +519,9 @@ def many_rows(figdir):
 
 
 def _bus_limits(panel, g: pd.DataFrame, limits: pd.DataFrame):
-    """The bus's limit of each S at the B whose rows name every expert, as tok/s (the limit's
-    multiple of resident's tok/s at that B): a dashed bar at each such B, one colour an S."""
+    """The bus's limit of each S at each B the run bounds (where it counted the experts the rows
+    named, every B; before, the B whose rows name every expert), as tok/s (the limit's multiple of
+    resident's tok/s at that B): a dashed bar at each such B, one colour an S."""
     res = g[g["config"] == "resident"].set_index("x")["value"]
     limits = limits.assign(S=limits["config"].str.extract(r"^S=(\d+)/", expand=False))
     for j, (S, h) in enumerate(limits.dropna(subset=["S"]).groupby("S", sort=True)):

@@ -88,7 +88,12 @@ def many_rows_figures(res: dict) -> dict:
             figs[f"step_bytes[B{b}]"] = res["step_bytes"][b]
             every = int(b) * res["top_k"] >= res["experts"]
             figs[f"rows name every expert[B{b}]"] = float(every)
-            if every:
+            named = res.get("named_experts", {}).get(b)
+            if named is not None:  # counted since: how many a step's rows named, a layer's mean
+                total = sum(int(u) * n for u, n in named["counts"].items())
+                figs[f"named experts a layer[B{b}]"] = total / max(1, sum(named["counts"].values()))
+                figs["experts"] = res["experts"]
+            if every or named is not None:
                 figs.update(_slot_limits(res, b, k_))
         if "bus" in res:
             figs["bus_gb_s"] = res["bus"]["gb_s"]
@@ -99,18 +104,37 @@ def many_rows_figures(res: dict) -> dict:
     return figs
 
 
+def named_limit(named: dict, slots: int, expert_bytes: int, gb_s: float, resident_tok_s: float) -> float:
+    """The bus's limit of a path holding `slots` experts a layer, from what a batch's decode steps
+    named (`harness.manyrows.named_experts`: how many (step, layer) pairs named u experts, and the
+    rows, tokens, of those steps): the slots may hold named ones, the other max(0, u - slots)
+    cross the bus; resident's seconds a token over the larger of its own and the bus's for a
+    token's share of those bytes."""
+    beyond = sum(max(0, int(u) - slots) * n for u, n in named["counts"].items()) * expert_bytes
+    resident_s, bus_s = 1 / resident_tok_s, beyond / max(1, named["rows"]) / (gb_s * 1e9)
+    return resident_s / max(resident_s, bus_s)
+
+
 def _slot_limits(res: dict, b: str, k_) -> dict:
-    """Each configuration's bus limit at a B whose rows name every expert of a layer: the S experts
-    its slots hold reach the many-rows area from the device (a resident one from its slot), so the
-    bus carries the other E - S a layer once a step; resident's time a step over the larger of that
-    time and the bus's for those bytes."""
+    """Each configuration's bus limit at B. Where the record counted the experts its rows named
+    (`named_experts`), from those: the slots may hold S of them, the rest cross the bus once a
+    step (`named_limit`). Before that, only at a B whose rows name every expert of a layer: the
+    S experts its slots hold reach the many-rows area from the device (a resident one from its
+    slot), so the bus carries the other E - S a layer once a step; resident's time a step over the
+    larger of that time and the bus's for those bytes."""
     E, out = res["experts"], {}
     resident_s = int(b) / res["tok_s"]["resident"][b]["median"]
+    named = res.get("named_experts", {}).get(b)
     for k in res["tok_s"]:
         if not k.startswith("S="):
             continue
-        bus_s = res["step_bytes"][b] * max(0, E - config_slots(k)) / E / (res["bus"]["gb_s"] * 1e9)
-        out[f"bus limit x resident[{k_(k)}@B{b}]"] = resident_s / max(resident_s, bus_s)
+        if named is not None:
+            x = named_limit(named, config_slots(k), res["expert_bytes"], res["bus"]["gb_s"],
+                            res["tok_s"]["resident"][b]["median"])  # fmt: skip
+        else:
+            bus_s = res["step_bytes"][b] * max(0, E - config_slots(k)) / E / (res["bus"]["gb_s"] * 1e9)
+            x = resident_s / max(resident_s, bus_s)
+        out[f"bus limit x resident[{k_(k)}@B{b}]"] = x
     return out
 
 
