@@ -274,7 +274,8 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                              f"all but the slots' {config_slots(bc)} read once a step")  # fmt: skip
                 else:
                     where = "where a step's rows name every expert, " + (
-                        f"all but the slots' {config_slots(bc)} read once a step" if held else "each read once a step")
+                        f"all but the slots' {config_slots(bc)} read once a step" if held else "each read once a step"
+                    )
                 parts.append(f"the bus's limit {where} at "
                              f"the {bfig['bus_gb_s']:.1f} GB/s the run measured: {limits}")  # fmt: skip
         matched = [v for f, v in {**fig, **bfig}.items() if f.startswith("tokens_match[")]
