@@ -585,6 +585,20 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     table = docblocks.many_rows_tables(bench_rows([(*base, "batch", m, None, None, None, 64, f, v)
                                                    for f, v in slot.items()]))  # fmt: skip
     assert "| the bus's limit at S = 16, every other expert read once a step |  | 0.55× |" in table
+    # a run that counted the experts its decode steps' rows named: a limit at every B, said so
+    named = {**slot, "named experts a layer[B4]": 26.5, "named experts a layer[B16]": 64.0, "experts": 64.0,
+             "bus limit x resident[S=16/device/union@B4]": 0.9}  # fmt: skip
+    counted = [(*base, "batch", m, None, None, None, 64, f, v) for f, v in named.items()]
+    text = docblocks.many_rows(bench_rows([r for r in rows if r[3] == "prefill"] + counted))
+    assert ("the bus's limit from the experts a step's rows named a layer (26.5 at B = 4, 64.0 at B = 16, of 64), "
+            "all but the slots' 16 read once a step at the 50.0 GB/s the run measured: B = 4 0.90× (reached 0.33 "
+            "of it), B = 16 0.55× (reached 0.60 of it)") in text  # fmt: skip
+    table = docblocks.many_rows_tables(bench_rows(counted))
+    assert "| experts a step's rows named, a layer's mean | 26.5 | 64.0 |" in table
+    assert (
+        "| the bus's limit at S = 16, each expert the rows named beyond the slots read once a step | 0.90× | 0.55× |"
+        in table
+    )
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert "(target" not in docblocks.many_rows(bench_rows(cpu))  # targets are the GPU's full-size model's
     assert "No `bench prefill`" in docblocks.many_rows(bench_rows([]))
