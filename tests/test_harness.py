@@ -931,6 +931,9 @@ def test_where_a_batch_counted_the_experts_its_rows_named_the_bus_carries_those_
     assert figs["named experts a layer[B4]"] == 25.0 and figs["rows name every expert[B4]"] == 0.0
     assert figs["bus limit x resident[S=16/device@B4]"] == pytest.approx(25 / 45)
     assert figs["bus limit x resident[S=32/device@B4]"] == 1.0
+    # a path that copies a step's experts and then computes: 25 ms over 25 + 45
+    assert figs["bus serial x resident[S=16/device@B4]"] == pytest.approx(25 / 70)
+    assert figs["bus serial x resident[S=32/device@B4]"] == 1.0
 
 
 def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it(tmp_path):

@@ -528,15 +528,22 @@ def test_the_readmes_many_rows_table_reads_each_target_from_the_latest_gpu_run_t
     frame = pd.concat([bench_rows([(*gpu, kind, m, None, None, None, 64, f, v) for f, v in figs.items()], rid)
                        for kind, figs, rid in runs])  # fmt: skip
     table = docblocks.many_rows_targets(frame)
-    assert "| time to first token, 2048-token prompt, S = 16 | 0.90× [0.88, 0.95] (target 0.85 met) | H200, " in table
+    assert "| time to first token, 2048-token prompt, S = 16 | 0.90× [0.88, 0.95] (target 0.85 met) |" in table
     assert "| time to first token, 2048-token prompt, S = 8 | 0.70× (target 0.8 missed by 0.10) |" in table
     assert "| peak memory over the prompts, S = 16 (at most) | 0.50× (target 0.45 missed by 0.05) |" in table
     assert ("| `batch_generate`, B = 16, S = 16 | 0.22× [0.20, 0.23] (target 0.3 missed by 0.08); the bus's "
-            "limit 0.24× | H200, `b1` |") in table  # fmt: skip
+            "limit 0.24× |") in table  # fmt: skip
     assert ("| 8 clients through `serve`, × mlx_lm.server | 0.40× (target 0.3 met); p99 2.50 s (mlx_lm.server "
-            "0.80 s) | H200, `s1` |") in table  # fmt: skip
+            "0.80 s) |") in table  # fmt: skip
     assert "one at a time" not in table and "B = 4" not in table  # a target not measured has no row
-    assert table.endswith("Greedy tokens equal resident's in 2 of 3 configurations of these.")
+    assert table.endswith("Greedy tokens equal resident's in 2 of 3 configurations of these. Runs: `bench prefill` "
+                          "`p1` on H200; `bench batch` `b1` on H200; `bench serve` `s1` on H200.")  # fmt: skip
+    # a later run of another install alone (an ablation: `--installs pinned`) is no target's run
+    pinned = {"x resident[S=16/pinned@B16]": 0.04, "default[S=16/pinned]": 0.0, "repeats": 1}
+    later = pd.concat([frame, bench_rows([(*gpu, "batch", m, None, None, None, 64, f, v) for f, v in pinned.items()],
+                                         "b2")])  # fmt: skip
+    assert docblocks.many_rows_targets(later) == table
+    assert "| S = 16 (pinned) |" in docblocks.many_rows_tables(later)  # its own table, after the default's
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert docblocks.many_rows_targets(bench_rows(cpu)).startswith("On EPYC (cpu)")
 
@@ -587,18 +594,20 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
     assert "| the bus's limit at S = 16, every other expert read once a step |  | 0.55× |" in table
     # a run that counted the experts its decode steps' rows named: a limit at every B, said so
     named = {**slot, "named experts a layer[B4]": 26.5, "named experts a layer[B16]": 64.0, "experts": 64.0,
-             "bus limit x resident[S=16/device/union@B4]": 0.9}  # fmt: skip
+             "bus limit x resident[S=16/device/union@B4]": 0.9,
+             "bus serial x resident[S=16/device/union@B4]": 0.6}  # fmt: skip
     counted = [(*base, "batch", m, None, None, None, 64, f, v) for f, v in named.items()]
     text = docblocks.many_rows(bench_rows([r for r in rows if r[3] == "prefill"] + counted))
     assert ("the bus's limit from the experts a step's rows named a layer (26.5 at B = 4, 64.0 at B = 16, of 64), "
-            "all but the slots' 16 read once a step at the 50.0 GB/s the run measured: B = 4 0.90× (reached 0.33 "
-            "of it), B = 16 0.55× (reached 0.60 of it)") in text  # fmt: skip
+            "all but the slots' 16 read once a step at the 50.0 GB/s the run measured: B = 4 0.90× (0.60× copying, "
+            "then computing; reached 0.33 of it), B = 16 0.55× (reached 0.60 of it)") in text  # fmt: skip
     table = docblocks.many_rows_tables(bench_rows(counted))
     assert "| experts a step's rows named, a layer's mean | 26.5 | 64.0 |" in table
     assert (
         "| the bus's limit at S = 16, each expert the rows named beyond the slots read once a step | 0.90× | 0.55× |"
         in table
     )
+    assert "| the same, each step's copies before its compute | 0.60× |  |" in table
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert "(target" not in docblocks.many_rows(bench_rows(cpu))  # targets are the GPU's full-size model's
     assert "No `bench prefill`" in docblocks.many_rows(bench_rows([]))

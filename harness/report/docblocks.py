@@ -218,6 +218,7 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
     out = []
     for (device, chip, model), g in groups:
         targets = _has_targets(device, model)
+        g = measured_default(g)
         pre = one_run(g[g["bench"] == "prefill"], "x resident[")
         bat = one_run(g[g["bench"] == "batch"], "x resident[")
         fig = dict(zip(pre["figure"], pre["value"]))
@@ -266,8 +267,12 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                 held = all(f"bus limit x resident[{bc}@B{B}]" in bfig for B in every)
                 lim = {B: bfig[f"bus limit x resident[{bc}@B{B}]" if held else f"bus limit x resident[B{B}]"]
                        for B in every}  # fmt: skip
-                limits = ", ".join(f"B = {B} {lim[B]:.2f}× (reached {bfig[f'x resident[{bc}@B{B}]'] / lim[B]:.2f} "
-                                   "of it)" for B in every)  # fmt: skip
+
+                # counted since: the same bytes copied, then computed
+                serial = {B: f"{bfig[f'bus serial x resident[{bc}@B{B}]']:.2f}× copying, then computing; "
+                          if f"bus serial x resident[{bc}@B{B}]" in bfig else "" for B in every}  # fmt: skip
+                limits = ", ".join(f"B = {B} {lim[B]:.2f}× ({serial[B]}reached "
+                                   f"{bfig[f'x resident[{bc}@B{B}]'] / lim[B]:.2f} of it)" for B in every)  # fmt: skip
                 if named:
                     counts = ", ".join(f"{bfig[f'named experts a layer[B{B}]']:.1f} at B = {B}" for B in named)
                     where = (f"from the experts a step's rows named a layer ({counts}, of {bfig['experts']:.0f}), "
@@ -298,18 +303,19 @@ def many_rows_targets(bench: pd.DataFrame) -> str:
     b = b[[_has_targets(d, m) for d, m in zip(b["device"], b["model"])]]
     # the figure each bench's runs are told by: its ratio to the reference it is measured against
     prefixes = {"prefill": "x resident[", "batch": "x resident[", "serve": "x reference["}
-    runs = {k: one_run(b[b["bench"] == k], prefix) for k, prefix in prefixes.items()}
+    runs = {k: one_run(measured_default(b[b["bench"] == k]), prefix) for k, prefix in prefixes.items()}
     if not any(len(r) for r in runs.values()):
         return many_rows(bench, only_targets=True)
-    rows, matched = [], []
+    rows, matched, where = [], [], []
     for kind, run in runs.items():
         if not len(run):
             continue
         fig = dict(zip(run["figure"], run["value"]))
-        on = f"{run['chip'].iloc[0].removeprefix('NVIDIA ')}, `{run['run_id'].iloc[0]}`"
+        # its card and run id once, under the table
+        where.append(f"`bench {kind}` `{run['run_id'].iloc[0]}` on {run['chip'].iloc[0].removeprefix('NVIDIA ')}")
 
-        def add(what: str, x: str, on=on):
-            rows.append((what, x, on))
+        def add(what: str, x: str):
+            rows.append((what, x))
 
         matched += [v for f, v in fig.items() if f.startswith("tokens_match[")]
         c = _config(fig, "x resident[", 16)
@@ -332,11 +338,12 @@ def many_rows_targets(bench: pd.DataFrame) -> str:
             for (_, B), t in sorted(BATCH_TARGETS.items(), key=lambda st: st[0][1]):
                 if c is None or f"x resident[{c}@B{B}]" not in fig:
                     continue
-                limit = fig.get(f"bus limit x resident[{c}@B{B}]")
+                limit, serial = (fig.get(f"bus {w} x resident[{c}@B{B}]") for w in ("limit", "serial"))
                 add(
                     f"`batch_generate`, B = {B}, S = 16",
                     _verdict(fig, "x resident", f"{c}@B{B}", t)
-                    + (f"; the bus's limit {limit:.2f}×" if limit is not None else ""),
+                    + (f"; the bus's limit {limit:.2f}×" if limit is not None else "")
+                    + (f" ({serial:.2f}× copying, then computing)" if serial is not None else ""),
                 )
         else:
             ref = next((f for f in fig if f.startswith("latency_p99_s[") and "mlx_lm" in f), None)
@@ -348,10 +355,10 @@ def many_rows_targets(bench: pd.DataFrame) -> str:
                         _verdict(fig, "x reference", n, SERVE_TARGET)
                         + f"; p99 {fig[f'latency_p99_s[{n}]']:.2f} s{theirs}",
                     )
-    out = ["| issue 48's target | × resident, median [min, max] | on |", "| --- | --- | --- |"]
-    out += [f"| {w} | {x} | {on} |" for w, x, on in rows]
+    out = ["| issue 48's target | × resident, median [min, max] |", "| --- | --- |"]
+    out += [f"| {w} | {x} |" for w, x in rows]
     same = "every run" if all(matched) else f"{int(sum(matched))} of {len(matched)} configurations"
-    return "\n".join(out) + f"\n\nGreedy tokens equal resident's in {same} of these."
+    return "\n".join(out) + f"\n\nGreedy tokens equal resident's in {same} of these. Runs: {'; '.join(where)}."
 
 
 def _area(config: str) -> str:
@@ -368,8 +375,9 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
     b = bench[bench["bench"].isin(["prefill", "batch"])]
     out = []
     for (device, chip, model), g in b.groupby(["device", "chip", "model"], sort=True):
-        for kind in ("prefill", "batch"):
-            run = one_run(g[g["bench"] == kind], "x resident[")
+        # the latest run of the default install, then the latest of another install alone
+        for kind, default in (("prefill", True), ("batch", True), ("prefill", False), ("batch", False)):
+            run = one_run(measured_default(g[g["bench"] == kind], default), "x resident[")
             if not len(run):
                 continue
             fig = dict(zip(run["figure"], run["value"]))
@@ -418,6 +426,10 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
                               in fig else "" for a in ats]  # fmt: skip
                     out.append(f"| the bus's limit at S = {S}, {what} read once a step | "
                                + " | ".join(limits) + " |")  # fmt: skip
+                    if any(f"bus serial x resident[{c}@{a}]" in fig for a in ats):
+                        out.append("| the same, each step's copies before its compute | " + " | ".join(
+                            f"{fig[f'bus serial x resident[{c}@{a}]']:.2f}×" if f"bus serial x resident[{c}@{a}]"
+                            in fig else "" for a in ats) + " |")  # fmt: skip
             elif kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
                 limits = [f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
                           else "" for a in ats]  # fmt: skip
@@ -683,6 +695,16 @@ ORACLE_TARGET = 0.8  # issue 29: oracle prefetch at S = 16, x resident
 # this layer imports no engine, a test holds the two together): on the decode stream.
 DEVICE_PREFETCH_ON_DECODE_STREAM = True
 STREAMS = {True: ("the decode stream", "--overlap off"), False: ("a stream of its own", "--overlap on")}
+
+
+def measured_default(rows: pd.DataFrame, default: bool = True) -> pd.DataFrame:
+    """The rows of the many-rows runs that measured the install `auto` gives on their machine
+    (`default[...]` 1 for a configuration; runs from before they said which count as such), or,
+    with `default` False, of the runs that measured another install alone (an ablation such as
+    `--installs pinned`): a target is read from the first kind, never from the second."""
+    said = rows[rows["figure"].str.startswith("default[")]
+    other = set(said.groupby("run_id")["value"].max().loc[lambda v: v < 1].index) if len(said) else set()
+    return rows[rows["run_id"].isin(other) != default]
 
 
 def one_run(rows: pd.DataFrame, figure: str) -> pd.DataFrame:

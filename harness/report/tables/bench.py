@@ -104,15 +104,18 @@ def many_rows_figures(res: dict) -> dict:
     return figs
 
 
-def named_limit(named: dict, slots: int, expert_bytes: int, gb_s: float, resident_tok_s: float) -> float:
+def named_limit(
+    named: dict, slots: int, expert_bytes: int, gb_s: float, resident_tok_s: float, serial: bool = False
+) -> float:
     """The bus's limit of a path holding `slots` experts a layer, from what a batch's decode steps
     named (`harness.manyrows.named_experts`: how many (step, layer) pairs named u experts, and the
     rows, tokens, of those steps): the slots may hold named ones, the other max(0, u - slots)
     cross the bus; resident's seconds a token over the larger of its own and the bus's for a
-    token's share of those bytes."""
+    token's share of those bytes, or with `serial`, over their sum: a path whose copies do not
+    overlap its compute."""
     beyond = sum(max(0, int(u) - slots) * n for u, n in named["counts"].items()) * expert_bytes
     resident_s, bus_s = 1 / resident_tok_s, beyond / max(1, named["rows"]) / (gb_s * 1e9)
-    return resident_s / max(resident_s, bus_s)
+    return resident_s / (resident_s + bus_s if serial else max(resident_s, bus_s))
 
 
 def _slot_limits(res: dict, b: str, k_) -> dict:
@@ -121,7 +124,9 @@ def _slot_limits(res: dict, b: str, k_) -> dict:
     step (`named_limit`). Before that, only at a B whose rows name every expert of a layer: the
     S experts its slots hold reach the many-rows area from the device (a resident one from its
     slot), so the bus carries the other E - S a layer once a step; resident's time a step over the
-    larger of that time and the bus's for those bytes."""
+    larger of that time and the bus's for those bytes. With the count, also the speed of a path
+    that copies those bytes and then computes (`bus serial x resident`): where a path reaches that
+    and not the limit, its copies do not overlap its compute."""
     E, out = res["experts"], {}
     resident_s = int(b) / res["tok_s"]["resident"][b]["median"]
     named = res.get("named_experts", {}).get(b)
@@ -129,8 +134,15 @@ def _slot_limits(res: dict, b: str, k_) -> dict:
         if not k.startswith("S="):
             continue
         if named is not None:
-            x = named_limit(named, config_slots(k), res["expert_bytes"], res["bus"]["gb_s"],
-                            res["tok_s"]["resident"][b]["median"])  # fmt: skip
+            args = (
+                named,
+                config_slots(k),
+                res["expert_bytes"],
+                res["bus"]["gb_s"],
+                res["tok_s"]["resident"][b]["median"],
+            )
+            x, serial = named_limit(*args), named_limit(*args, serial=True)
+            out[f"bus serial x resident[{k_(k)}@B{b}]"] = serial
         else:
             bus_s = res["step_bytes"][b] * max(0, E - config_slots(k)) / E / (res["bus"]["gb_s"] * 1e9)
             x = resident_s / max(resident_s, bus_s)
