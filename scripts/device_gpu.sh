@@ -23,6 +23,8 @@
 #   orders them, FAMILY_REPEATS sets their repeats),
 #   serve (bench serve: the engine's server batched and one at a time beside mlx_lm.server),
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
+#   split (scripts/probe_split_calls.py on SPLIT_MODELS: whether a batched step's expert compute may
+#   be split into two calls and keep mlx-lm's bits; nothing built; no record),
 #   probe (scripts/probe_exactness.py on FULL, with MLX's CUDA graphs and without; needs build; no record),
 #   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk; needs build; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
@@ -201,6 +203,11 @@ for step in "$@"; do
           run $py -m harness bench serve --model $full --slots 16 --clients 8 --requests 2 --tokens 32 \
             --repeats 3 --record ;;
     launch) run $py scripts/probe_launch_cost.py ;;
+    split)  # whether a batched step's pairs split into two calls keep mlx-lm's bits, for each family
+            # (scripts/probe_split_calls.py; nothing built: one layer of random weights; no record)
+          for m in ${SPLIT_MODELS:-olmoe-1b-7b-shape gpt-oss-20b-shape qwen3-30b-a3b-shape mixtral-8x7b-shape}; do
+            run $py scripts/probe_split_calls.py $m --batches 1 2 4 8 16 64
+          done ;;
     probe)  # where FULL's logits part from mlx-lm's, teacher-forced, with MLX's CUDA graphs and without
             # (scripts/probe_exactness.py; PROMPT_TOKENS, RESIDENT_RUNS; PROBE="STEPS VARIANTS"); needs build
           run $py scripts/probe_exactness.py $full ${PROBE:-4 quarter,full}

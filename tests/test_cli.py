@@ -272,3 +272,18 @@ def test_the_peak_probe_separates_a_prompts_prefill_by_its_chunk():
         if m:
             rows[int(m.group(2))] = float(m.group(3)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(4)]
     assert set(rows) == {64, 256} and rows[256] > rows[64], out.stdout
+
+
+def test_the_split_probe_compares_each_pair_of_a_split_step_with_mlx_lms_one_call():
+    """scripts/probe_split_calls.py (docs/gpu.md: where a batched step's time goes), on the CPU: a
+    row per batch and split, the two calls' pair counts adding up to the step's; the CPU computes
+    a pair alike whatever else its call holds, so every split is mlx-lm's to the bit there (what
+    the GPU does is the probe's question)."""
+    out = subprocess.run([sys.executable, ROOT / "scripts" / "probe_split_calls.py", "olmoe-tiny-f32", "--batches",
+                          "1", "4", "16"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert {(int(r[0]), r[1]) for r in rows} == {(1, "itself"), (1, "held"), (4, "itself"), (4, "rows"),
+                                                 (4, "held"), (16, "itself"), (16, "rows"), (16, "held")}  # fmt: skip
+    assert all(sum(map(int, r[2].split("+"))) == int(r[0]) * 8 for r in rows)  # top-8: every pair, once
+    assert all(r[3] == "equal" for r in rows), out.stdout
