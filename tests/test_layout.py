@@ -264,6 +264,7 @@ HARNESS_MAY_USE = (
     "engine.versions",
     "engine.models.registry",
     "engine.models.train",
+    "engine.models.anatomy",
     "engine.predict",
     "engine.tracing",
     "engine.cluster",
