@@ -747,6 +747,36 @@ def test_throughput_runs_of_different_install_paths_keep_their_own_rows():
     assert df.loc[("tok_s[S=16/pinned]", 32), "value"] == 42.0 and df.loc[("tok_s[S=16/pinned]", 16), "value"] == 30.0
 
 
+def test_a_many_rows_run_of_another_install_keeps_its_own_resident_beside_the_default_runs():
+    """`manyrows` runs the default install, then `--installs pinned` alone, at one commit: each
+    run's resident (measured in its own repeats) stays its own row, so the default run's table
+    and sentence read its own resident's figures, not the ablation's."""
+    from harness.report.docblocks import many_rows_tables
+
+    def rec(run, install, res_ms, conf_ms):
+        machine = dict(device="gpu", gpu="NVIDIA H100", chip="H100", host="h", gate="bench", commit="c")
+        cfg = "S=16/union" if install == "device" else "S=16"
+        sp = {k: {"128": dict(median=v / 1e3, min=v / 1e3, max=v / 1e3, n=2)} for k, v in
+              (("resident", res_ms), (cfg, conf_ms))}  # fmt: skip
+        x = {k: {"128": dict(median=res_ms / v, min=res_ms / v, max=res_ms / v)} for k, v in
+             (("resident", res_ms), (cfg, conf_ms))}  # fmt: skip
+        one = dict(median=1.0, min=1.0, max=1.0)
+        result = dict(bench="prefill", model="m", lengths=[128], repeats=2, install={cfg: install},
+                      default_install="device", ttft_s=sp, x_resident=x, decode_tok_s={k: one for k in sp},
+                      decode_x_resident={k: one for k in sp}, memory_bytes={k: 1.0 for k in sp},
+                      memory_x_resident={k: 1.0 for k in sp}, tokens_match={k: True for k in sp})  # fmt: skip
+        return dict(machine, started_utc=run, run_id=run, result=result)
+
+    df = bench_tables.bench_table(
+        [rec("2026-12-07T1", "device", 50.0, 100.0), rec("2026-12-07T2", "pinned", 60.0, 300.0)]
+    )
+    resident = df[df["figure"] == "ttft_ms[resident@128]"].set_index("run_id")["value"]
+    assert resident.to_dict() == {"2026-12-07T1": 50.0, "2026-12-07T2": 60.0}
+    tables = many_rows_tables(df)
+    assert "run `2026-12-07T1`" in tables and "resident's time to first token: 50 ms" in tables
+    assert "| S = 16 (pinned) | 0.20× [0.20, 0.20] |" in tables and "resident's time to first token: 60 ms" in tables
+
+
 def test_memory_runs_of_the_throughput_bench_are_read_per_configuration(tmp_path, monkeypatch):
 
     figdir = tmp_path / "figures"

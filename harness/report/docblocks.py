@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import compare_runs
-from .tables.bench import config_slots, without_settings
+from .tables.bench import config_slots, measured_default, without_settings
 
 # The run ids `snakemake all` gives itself (`auto`: commit, then host alias): a full run's
 FULL_RUN = re.compile(r"^([0-9a-f]{12})(-dirty)?-(host-[0-9a-f]{10})-")
@@ -695,16 +695,6 @@ ORACLE_TARGET = 0.8  # issue 29: oracle prefetch at S = 16, x resident
 # this layer imports no engine, a test holds the two together): on the decode stream.
 DEVICE_PREFETCH_ON_DECODE_STREAM = True
 STREAMS = {True: ("the decode stream", "--overlap off"), False: ("a stream of its own", "--overlap on")}
-
-
-def measured_default(rows: pd.DataFrame, default: bool = True) -> pd.DataFrame:
-    """The rows of the many-rows runs that measured the install `auto` gives on their machine
-    (`default[...]` 1 for a configuration; runs from before they said which count as such), or,
-    with `default` False, of the runs that measured another install alone (an ablation such as
-    `--installs pinned`): a target is read from the first kind, never from the second."""
-    said = rows[rows["figure"].str.startswith("default[")]
-    other = set(said.groupby("run_id")["value"].max().loc[lambda v: v < 1].index) if len(said) else set()
-    return rows[rows["run_id"].isin(other) != default]
 
 
 def one_run(rows: pd.DataFrame, figure: str) -> pd.DataFrame:

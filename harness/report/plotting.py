@@ -483,10 +483,19 @@ def _latest_figures(b: pd.DataFrame, bench: str, name: str) -> pd.DataFrame:
 def many_rows(figdir):
     """Many rows through a layer at once: time to first token against prompt length (left) and
     batch_generate's aggregate tok/s against the batch (right), one line per configuration of the
-    latest run of each machine and model, resident as the reference."""
+    latest run of each machine and model (and of its latest run of another install alone),
+    resident as the reference."""
     b = _read(figdir, "bench")
-    prefill, batch = _latest_figures(b, "prefill", "ttft_ms"), _latest_figures(b, "batch", "tok_s")
-    limits = _latest_figures(b, "batch", "bus limit x resident")
+    # the latest run of the install `auto` gives, and beside it the latest run of another install
+    # alone (an ablation: `--installs pinned`), its resident left out
+    mine, other = bench_tables.measured_default(b), bench_tables.measured_default(b, default=False)
+
+    def both(bench, name):
+        theirs = _latest_figures(other, bench, name)
+        return pd.concat([_latest_figures(mine, bench, name), theirs[theirs["config"] != "resident"]])
+
+    prefill, batch = both("prefill", "ttft_ms"), both("batch", "tok_s")
+    limits = _latest_figures(mine, "batch", "bus limit x resident")
     keys = sorted(set(prefill.groupby(["machine", "model"]).groups) | set(batch.groupby(["machine", "model"]).groups))
     if not keys:
         return _empty(figdir, "many_rows", "bench prefill or batch records")

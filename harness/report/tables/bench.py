@@ -58,6 +58,18 @@ def config_slots(config: str) -> int:
     return int(config.split("/")[0].removeprefix("S="))
 
 
+def measured_default(rows: pd.DataFrame, default: bool = True) -> pd.DataFrame:
+    """The rows of the many-rows runs that measured the install `auto` gives on their machine
+    (`default[...]` 1 for a configuration; runs from before they said which count as such), or,
+    with `default` False, of the runs that measured another install alone (an ablation such as
+    `--installs pinned`): a target is read from the first kind, never from the second."""
+    if rows.empty:
+        return rows
+    said = rows[rows["figure"].str.startswith("default[")]
+    other = set(said.groupby("run_id")["value"].max().loc[lambda v: v < 1].index) if len(said) else set()
+    return rows[rows["run_id"].isin(other) != default]
+
+
 def _spread_figures(figs: dict, name: str, key: str, sp: dict):
     figs[f"{name}[{key}]"] = sp["median"]
     figs[f"{name}_min[{key}]"], figs[f"{name}_max[{key}]"] = sp["min"], sp["max"]
@@ -309,6 +321,9 @@ def bench_table(recs):
                     figs[f"pipelined[{k}]"] = float(res.get("loop") == "pipelined")
         elif base["bench"] in ("prefill", "batch"):
             figs = many_rows_figures(res)
+            # a run of other installs (an ablation: `--installs pinned`) keeps its own resident,
+            # measured in its own repeats, beside the default run's of the same commit
+            base["installs"] = ",".join(sorted(set(res["install"].values())))
         elif base["bench"] == "families":
             figs = families_figures(res)
         elif base["bench"] == "plan":
@@ -331,7 +346,7 @@ def bench_table(recs):
             figs["clients"], figs["requests"] = res["clients"], res["clients"] * res["requests"] * res["repeats"]
         for name, value in figs.items():
             rows.append(dict(base, figure=name, value=value))
-    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "settings", "figure"]
+    keys = MACHINE + ["bench", "model", "tier", "slots", "prompt_set", "tokens", "installs", "settings", "figure"]
     cols = keys + ["value", "runs", "commit", "run_id"]  # run_id: the latest run's, to read one run's figures together
     for row in rows:
         for k in keys:
