@@ -414,22 +414,25 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
             if kind == "batch" and any(f"bus limit x resident[{c}@{a}]" in fig for c in configs for a in ats):
                 # the bus carries all but the S the slots hold of what the rows named (counted since;
                 # before, only where the rows name every expert)
+                def per_b(label: str, figure: str, unit: str = "×", digits: int = 2, fig=fig, ats=ats) -> str:
+                    """A table row of `figure` at each B (`{a}` in its name), blank where not measured."""
+                    cells = [f"{fig[figure.format(a=a)]:.{digits}f}{unit}" if figure.format(a=a) in fig else ""
+                             for a in ats]  # fmt: skip
+                    return f"| {label} | " + " | ".join(cells) + " |"
+
                 named = any(f"named experts a layer[{a}]" in fig for a in ats)
                 if named:
-                    out.append("| experts a step's rows named, a layer's mean | " + " | ".join(
-                        f"{fig[f'named experts a layer[{a}]']:.1f}" if f"named experts a layer[{a}]" in fig else ""
-                        for a in ats) + " |")  # fmt: skip
+                    out.append(
+                        per_b("experts a step's rows named, a layer's mean", "named experts a layer[{a}]", "", 1)
+                    )
                 what = "each expert the rows named beyond the slots" if named else "every other expert"
                 for S in sorted({config_slots(c) for c in configs}):
                     c = next(c for c in configs if c.startswith(f"S={S}/"))
-                    limits = [f"{fig[f'bus limit x resident[{c}@{a}]']:.2f}×" if f"bus limit x resident[{c}@{a}]"
-                              in fig else "" for a in ats]  # fmt: skip
-                    out.append(f"| the bus's limit at S = {S}, {what} read once a step | "
-                               + " | ".join(limits) + " |")  # fmt: skip
+                    out.append(per_b(f"the bus's limit at S = {S}, {what} read once a step",
+                                     f"bus limit x resident[{c}@{{a}}]"))  # fmt: skip
                     if any(f"bus serial x resident[{c}@{a}]" in fig for a in ats):
-                        out.append("| the same, each step's copies before its compute | " + " | ".join(
-                            f"{fig[f'bus serial x resident[{c}@{a}]']:.2f}×" if f"bus serial x resident[{c}@{a}]"
-                            in fig else "" for a in ats) + " |")  # fmt: skip
+                        out.append(per_b("the same, each step's copies before its compute",
+                                         f"bus serial x resident[{c}@{{a}}]"))  # fmt: skip
             elif kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
                 limits = [f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
                           else "" for a in ats]  # fmt: skip
