@@ -196,7 +196,8 @@ def batch(a):
                     resp = batch_generate(models[k], tok, sets[b], max_tokens=a.tokens, return_token_ids=True)
                     tps[k][b].append(resp.stats.generation_tps)
                     ids[k].setdefault(b, resp.token_ids)
-        named = {b: named_experts(models["resident"], tok, sets[b], a.tokens) for b in batches}
+        slots = [config_slots(k) for k in names if k.startswith("S=")]
+        named = {b: named_experts(models["resident"], tok, sets[b], a.tokens, slots) for b in batches}
         installs = {k: e.install.name for k, e in engines.items()}
         store = next(iter(engines.values())).store  # every configuration reads the same store
         bus, experts, expert_bytes = bus_gb_s(store), [n["experts"] for n in store.layers], store.expert_bytes
@@ -252,14 +253,40 @@ class _NamedCounter(nn.Module):
         return self.switch(x, indices, *args, **kwargs)
 
 
-def named_experts(model, tok, ids: list, tokens: int) -> dict:
+def fewest_misses(steps: list, slots: int) -> int:
+    """The fewest experts a cache of `slots` experts must bring in over `steps` (each the set of
+    experts one call's rows name, in order), whatever it keeps, starting from the best it could
+    hold: a step brings in what it names that the cache does not hold, and afterwards the cache may
+    keep any `slots` of those it held and those just named (all on the device then). Keeping the
+    ones named again soonest is Belady's rule, optimal for such a cache (bringing in is the only
+    cost, and leaving an expert out is free)."""
+    brought, nxt = 0, [{} for _ in steps]
+    later = {}  # expert -> the next step naming it, filled from the end
+    for t in range(len(steps) - 1, -1, -1):
+        nxt[t] = dict(later)
+        for e in steps[t]:
+            later[e] = t
+    # it starts warm: holding the experts named first, as the best a prompt could leave
+    held = set(sorted(later, key=lambda e: (later[e], e))[:slots])
+    for t, named in enumerate(steps):
+        brought += len(named - held)
+        pool = held | named
+        if len(pool) > slots:
+            pool = set(sorted(pool, key=lambda e: (nxt[t].get(e, len(steps)), e))[:slots])
+        held = pool
+    return brought
+
+
+def named_experts(model, tok, ids: list, tokens: int, slots=()) -> dict:
     """How many distinct experts the rows of a decode step name, per MoE layer, over one untimed
     `batch_generate` of `ids` on `model` (resident's: every configuration's tokens are compared with
     its): `counts` maps a count u to the (step, layer) pairs that named u experts, `steps` and `rows`
     are the decode steps and their rows (tokens) a layer. A path holding S of a layer's experts
     must bring max(0, u - S) of them across the bus, whatever it does: the bus's limit where the
-    rows name fewer than every expert. Needs prompts of at least 3 tokens (a prompt's rows are then
-    more than the batch's)."""
+    rows name fewer than every expert. `fewest_misses` maps each S of `slots` to the experts a
+    cache of S a layer must bring in over the steps at the least (`fewest_misses`), summed over the
+    layers: the tighter limit, since what one step's rows name is not what the next step's name.
+    Needs prompts of at least 3 tokens (a prompt's rows are then more than the batch's)."""
     blocks, sinks = moe_blocks(model), []
     for b in blocks:
         sinks.append([])
@@ -269,10 +296,12 @@ def named_experts(model, tok, ids: list, tokens: int) -> dict:
     finally:
         for b in blocks:
             setattr(b.parent, b.attr, b.switch)
-    counts = Counter(int(np.unique(np.array(i)).size) for sink in sinks for i in sink)
+    named = [[set(np.unique(np.array(i)).tolist()) for i in sink] for sink in sinks]
+    counts = Counter(len(u) for layer in named for u in layer)
     first = sinks[0] if sinks else []
+    least = {str(s): sum(fewest_misses(layer, s) for layer in named) for s in sorted(set(slots))}
     return dict(steps=len(first), rows=sum(i.size // i.shape[-1] for i in first), layers=len(blocks),
-                counts={str(u): n for u, n in sorted(counts.items())})  # fmt: skip
+                counts={str(u): n for u, n in sorted(counts.items())}, fewest_misses=least)  # fmt: skip
 
 
 def bus_limit(bus: dict, experts: list, expert_bytes: int, top_k: int, resident_tok_s: dict) -> dict:

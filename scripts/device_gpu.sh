@@ -25,6 +25,8 @@
 #   launch (scripts/probe_launch_cost.py: the host cost of one kernel launch; no record),
 #   split (scripts/probe_split_calls.py on SPLIT_MODELS: whether a batched step's expert compute may
 #   be split into two calls and keep mlx-lm's bits; nothing built; no record),
+#   batchslots (scripts/probe_batch_slots.py on FULL: a batched decode step's misses a layer beside
+#   the fewest any cache of the same slots allows; needs build; no record),
 #   probe (scripts/probe_exactness.py on FULL, with MLX's CUDA graphs and without; needs build; no record),
 #   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk; needs build; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
@@ -208,6 +210,9 @@ for step in "$@"; do
           for m in ${SPLIT_MODELS:-olmoe-1b-7b-shape gpt-oss-20b-shape qwen3-30b-a3b-shape mixtral-8x7b-shape}; do
             run $py scripts/probe_split_calls.py $m --batches 1 2 4 8 16 64
           done ;;
+    batchslots)  # the experts a batched step brings in a layer against the fewest any S slots allow
+            # (scripts/probe_batch_slots.py; needs build; no record)
+          run $py scripts/probe_batch_slots.py $full --batches 4 16 --slots 8 16 32 ;;
     probe)  # where FULL's logits part from mlx-lm's, teacher-forced, with MLX's CUDA graphs and without
             # (scripts/probe_exactness.py; PROMPT_TOKENS, RESIDENT_RUNS; PROBE="STEPS VARIANTS"); needs build
           run $py scripts/probe_exactness.py $full ${PROBE:-4 quarter,full}

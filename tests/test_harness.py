@@ -904,6 +904,9 @@ def test_the_many_rows_benches_run_each_configuration_beside_resident_and_compar
     assert one["counts"] == {str(bat["top_k"]): one["steps"] * one["layers"]} and one["rows"] == one["steps"] > 0
     assert four["rows"] == 4 * four["steps"] and sum(four["counts"].values()) == four["steps"] * four["layers"]
     assert all(bat["top_k"] <= int(u) <= min(bat["experts"], 4 * bat["top_k"]) for u in four["counts"])
+    # no cache of 16 brings in fewer than a step's experts beyond 16, nor more than all it names
+    beyond = sum(max(0, int(u) - 16) * n for u, n in four["counts"].items())
+    assert beyond <= four["fewest_misses"]["16"] <= sum(int(u) * n for u, n in four["counts"].items())
     figs = many_rows_figures(bat)
     assert bat["top_k"] <= figs["named experts a layer[B4]"] <= 4 * bat["top_k"]
     assert 0 < figs["bus limit x resident[S=16/device/union@B4]"] <= 1  # a limit at every B now
@@ -964,6 +967,53 @@ def test_where_a_batch_counted_the_experts_its_rows_named_the_bus_carries_those_
     # a path that copies a step's experts and then computes: 25 ms over 25 + 45
     assert figs["bus serial x resident[S=16/device@B4]"] == pytest.approx(25 / 70)
     assert figs["bus serial x resident[S=32/device@B4]"] == 1.0
+
+
+def test_the_fewest_misses_of_a_cache_are_those_of_every_choice_searched_and_bound_the_limit():
+    """What each step's rows name differs from the step before's, so S slots cannot hold just what
+    every step names: `fewest_misses` (Belady's rule) is the least any cache of S brings in,
+    checked against every keeping choice searched; the report's cache limit reads it."""
+    import itertools
+    import random
+
+    from harness.manyrows import fewest_misses
+    from harness.report.tables.bench import many_rows_figures, named_limit
+
+    def searched(steps, slots):
+        experts = sorted(set().union(*steps))
+        starts = [set(c) for c in itertools.combinations(experts, min(slots, len(experts)))]
+        best = {frozenset(c): 0 for c in starts}  # what the cache holds -> fewest brought in so far
+        for named in steps:
+            after = {}
+            for held, n in best.items():
+                pool = sorted(held | named)
+                for keep in itertools.combinations(pool, min(slots, len(pool))):
+                    k = frozenset(keep)
+                    after[k] = min(after.get(k, 10**9), n + len(named - held))
+            best = after
+        return min(best.values())
+
+    rng = random.Random(0)
+    for _ in range(40):
+        steps = [set(rng.sample(range(6), rng.randint(1, 4))) for _ in range(rng.randint(1, 5))]
+        for slots in (1, 2, 3):
+            assert fewest_misses(steps, slots) == searched(steps, slots), (steps, slots)
+    # one layer, two steps of 3 experts at S = 2: {0, 1, 2} then {3, 4, 5} bring in 1 + 3
+    assert fewest_misses([{0, 1, 2}, {3, 4, 5}], 2) == 4 and fewest_misses([{0, 1, 2}] * 3, 3) == 0
+    # the record of the named-limit test, with 40 experts brought in over its 4 (step, layer)
+    # pairs at S = 16 (the count's 36 at the least): 40 MB over 8 tokens at 0.1 GB/s is 50 ms
+    named = dict(steps=2, rows=8, layers=2, counts={"20": 2, "30": 2}, fewest_misses={"16": 40})
+    assert named_limit(named, 16, 10**6, 0.1, 40.0, fewest=True) == pytest.approx(25 / 50)
+    tok = dict(median=40.0, min=30.0, max=50.0, n=3)
+    res = dict(bench="batch", repeats=3, install={"S=16": "device"}, top_k=8, experts=64, bus=dict(gb_s=0.1),
+               expert_bytes=10**6, tok_s={k: {"4": tok} for k in ("resident", "S=16")},
+               x_resident={k: {"4": tok} for k in ("resident", "S=16")}, named_experts={"4": named},
+               tokens_match={"resident": True, "S=16": True}, step_bytes={"4": 64 * 10**6},
+               bus_limit_x_resident={"4": 0.5})  # fmt: skip
+    figs = many_rows_figures(res)
+    assert figs["bus cache limit x resident[S=16/device@B4]"] == pytest.approx(0.5)
+    assert figs["fewest misses a layer[S=16/device@B4]"] == 10.0
+    assert figs["bus cache limit x resident[S=16/device@B4]"] <= figs["bus limit x resident[S=16/device@B4]"]
 
 
 def test_bench_plan_records_which_cards_hold_each_family_and_the_readme_reads_it(tmp_path):

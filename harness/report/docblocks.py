@@ -273,6 +273,14 @@ def many_rows(bench: pd.DataFrame, only_targets: bool = False) -> str:
                           if f"bus serial x resident[{bc}@B{B}]" in bfig else "" for B in every}  # fmt: skip
                 limits = ", ".join(f"B = {B} {lim[B]:.2f}× ({serial[B]}reached "
                                    f"{bfig[f'x resident[{bc}@B{B}]'] / lim[B]:.2f} of it)" for B in every)  # fmt: skip
+                # counted since: the fewest experts any cache of S slots brings in over the steps
+                least = [B for B in every if f"bus cache limit x resident[{bc}@B{B}]" in bfig]
+                if least:
+                    limits += "; as no S slots hold just what each step's rows name, the fewest experts any " + (
+                        f"{config_slots(bc)} slots bring in (Belady's rule) make it "
+                        + ", ".join(f"B = {B} {bfig[f'bus cache limit x resident[{bc}@B{B}]']:.2f}× "
+                                    f"({bfig[f'fewest misses a layer[{bc}@B{B}]']:.1f} a layer a step)"
+                                    for B in least))  # fmt: skip
                 if named:
                     counts = ", ".join(f"{bfig[f'named experts a layer[B{B}]']:.1f} at B = {B}" for B in named)
                     where = (f"from the experts a step's rows named a layer ({counts}, of {bfig['experts']:.0f}), "
@@ -338,12 +346,14 @@ def many_rows_targets(bench: pd.DataFrame) -> str:
             for (_, B), t in sorted(BATCH_TARGETS.items(), key=lambda st: st[0][1]):
                 if c is None or f"x resident[{c}@B{B}]" not in fig:
                     continue
-                limit, serial = (fig.get(f"bus {w} x resident[{c}@B{B}]") for w in ("limit", "serial"))
+                limit, serial, cache = (fig.get(f"bus {w} x resident[{c}@B{B}]") for w in
+                                        ("limit", "serial", "cache limit"))  # fmt: skip
                 add(
                     f"`batch_generate`, B = {B}, S = 16",
                     _verdict(fig, "x resident", f"{c}@B{B}", t)
                     + (f"; the bus's limit {limit:.2f}×" if limit is not None else "")
-                    + (f" ({serial:.2f}× copying, then computing)" if serial is not None else ""),
+                    + (f" ({serial:.2f}× copying, then computing)" if serial is not None else "")
+                    + (f", {cache:.2f}× with the fewest misses any 16 slots allow" if cache is not None else ""),
                 )
         else:
             ref = next((f for f in fig if f.startswith("latency_p99_s[") and "mlx_lm" in f), None)
@@ -433,6 +443,11 @@ def many_rows_tables(bench: pd.DataFrame) -> str:
                     if any(f"bus serial x resident[{c}@{a}]" in fig for a in ats):
                         out.append(per_b("the same, each step's copies before its compute",
                                          f"bus serial x resident[{c}@{{a}}]"))  # fmt: skip
+                    if any(f"bus cache limit x resident[{c}@{a}]" in fig for a in ats):  # counted since
+                        out.append(per_b(f"the fewest experts any {S} slots bring in, a layer a step",
+                                         f"fewest misses a layer[{c}@{{a}}]", "", 1))  # fmt: skip
+                        out.append(per_b("the bus's limit with those read once a step",
+                                         f"bus cache limit x resident[{c}@{{a}}]"))  # fmt: skip
             elif kind == "batch" and any(f"bus limit x resident[{a}]" in fig for a in ats):  # every expert named
                 limits = [f"{fig[f'bus limit x resident[{a}]']:.2f}×" if fig.get(f"rows name every expert[{a}]")
                           else "" for a in ats]  # fmt: skip

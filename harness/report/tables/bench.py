@@ -117,15 +117,26 @@ def many_rows_figures(res: dict) -> dict:
 
 
 def named_limit(
-    named: dict, slots: int, expert_bytes: int, gb_s: float, resident_tok_s: float, serial: bool = False
+    named: dict,
+    slots: int,
+    expert_bytes: int,
+    gb_s: float,
+    resident_tok_s: float,
+    serial: bool = False,
+    fewest: bool = False,
 ) -> float:
     """The bus's limit of a path holding `slots` experts a layer, from what a batch's decode steps
     named (`harness.manyrows.named_experts`: how many (step, layer) pairs named u experts, and the
     rows, tokens, of those steps): the slots may hold named ones, the other max(0, u - slots)
     cross the bus; resident's seconds a token over the larger of its own and the bus's for a
     token's share of those bytes, or with `serial`, over their sum: a path whose copies do not
-    overlap its compute."""
-    beyond = sum(max(0, int(u) - slots) * n for u, n in named["counts"].items()) * expert_bytes
+    overlap its compute. With `fewest`, the bytes are those of the fewest experts any cache of
+    `slots` must bring in over the steps (`named["fewest_misses"]`, Belady's rule): the slots
+    cannot hold at every step just the experts that step names."""
+    if fewest:
+        beyond = named["fewest_misses"][str(slots)] * expert_bytes
+    else:
+        beyond = sum(max(0, int(u) - slots) * n for u, n in named["counts"].items()) * expert_bytes
     resident_s, bus_s = 1 / resident_tok_s, beyond / max(1, named["rows"]) / (gb_s * 1e9)
     return resident_s / (resident_s + bus_s if serial else max(resident_s, bus_s))
 
@@ -155,6 +166,10 @@ def _slot_limits(res: dict, b: str, k_) -> dict:
             )
             x, serial = named_limit(*args), named_limit(*args, serial=True)
             out[f"bus serial x resident[{k_(k)}@B{b}]"] = serial
+            if str(config_slots(k)) in named.get("fewest_misses", {}):  # counted since: any cache's least
+                out[f"bus cache limit x resident[{k_(k)}@B{b}]"] = named_limit(*args, fewest=True)
+                pairs = max(1, sum(named["counts"].values()))
+                out[f"fewest misses a layer[{k_(k)}@B{b}]"] = named["fewest_misses"][str(config_slots(k))] / pairs
         else:
             bus_s = res["step_bytes"][b] * max(0, E - config_slots(k)) / E / (res["bus"]["gb_s"] * 1e9)
             x = resident_s / max(resident_s, bus_s)

@@ -1,0 +1,120 @@
+"""How many experts a batched decode step brings across the bus, a layer, beside the fewest any
+cache of the same slots could (issue 48: `batch_generate` at B = 4 reaches about the speed of its
+misses copied and then computed, docs/gpu.md, "Where the time goes"; whether a better choice of
+what the slots keep can lower them is this probe's question).
+
+MODEL's `device` install (S slots a layer) decodes a batch of B prompts (the eval prompts, cut to
+64 tokens, as `bench batch` makes them) through mlx-lm's `batch_generate`; before each decode
+step's layer call the probe reads the layer's slot map back (a host wait; nothing is timed) and
+counts the experts the step's rows name that no slot holds: those the step's many-rows area brings
+from the host tier. Beside them, over the same steps:
+- `named`: the distinct experts the rows named, a layer's mean a step;
+- `beyond`: max(0, named - S), what even slots holding just this step's experts would bring in;
+- `most-named`: a cache that after each step keeps the S experts the most of its rows named
+  (ties to the later rows), as a candidate rule;
+- `fewest`: Belady's rule (`harness.manyrows.fewest_misses`), the least any cache of S brings in.
+The install's own rule keeps the latest rows' experts (`engine.runtime.device.cache`). A probe:
+no record; the printed table is its result.
+
+    python scripts/probe_batch_slots.py MODEL [--batches 4 16] [--slots 16] [--tokens 64]
+"""
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.nn as nn  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.generate import batch_generate  # noqa: E402
+
+from engine import EngineConfig, load  # noqa: E402
+from engine.predict import prompts  # noqa: E402
+from engine.runtime.moe import engine_layers  # noqa: E402
+from harness.manyrows import fewest_misses  # noqa: E402
+
+
+def most_named(steps: list, slots: int) -> int:
+    """Experts brought in by a cache that keeps, after each step, the `slots` experts most of that
+    step's rows named (ties: the later row's), starting from the first step's choice. `steps`:
+    each step's (rows, top-k) indices."""
+    held, brought = set(), 0
+    for t, inds in enumerate(steps):
+        named = set(inds.reshape(-1).tolist())
+        brought += len(named - held) if t else max(0, len(named) - slots)
+        votes = Counter()
+        for r, row in enumerate(inds):
+            for e in row.tolist():
+                votes[e] += 1 + r / (len(inds) + 1)  # a later row breaks a tie
+        held = {e for e, _ in votes.most_common(slots)}
+    return brought
+
+
+def run(model_id: str, batch: int, slots: int, tokens: int) -> dict:
+    engine = load(model_id, EngineConfig(slots=slots, install="device"))
+    try:
+        layers, cache = engine_layers(engine.model), engine.cache
+        seen = [[] for _ in layers]  # per layer: (the step's indices, the experts its slots held)
+
+        class Counted(nn.Module):
+            def __init__(self, switch):
+                super().__init__()
+                self.switch = switch
+
+            def __call__(self, x, indices):
+                inds = np.array(indices).reshape(-1, indices.shape[-1])
+                if len(inds) <= batch:  # a decode step's rows (a prompt's are more)
+                    held = set(cache.resident(self.switch._layer).tolist()) - {-1}
+                    seen[self.switch._layer].append((inds, held))
+                return self.switch(x, indices)
+
+        mine, parents = {id(m) for m in layers}, {}
+        for _, module in engine.model.named_modules():
+            for attr, child in module.children().items():
+                if id(child) in mine:
+                    parents[id(child)] = (module, attr, child)
+        for module, attr, child in parents.values():
+            setattr(module, attr, Counted(child))
+        try:
+            texts = [p["text"] for p in prompts.load("general", "eval")]
+            ids = [engine.tokenizer.encode(texts[i % len(texts)])[:64] for i in range(batch)]
+            batch_generate(engine.model, engine.tokenizer, ids, max_tokens=tokens)
+        finally:
+            for module, attr, child in parents.values():
+                setattr(module, attr, child)
+    finally:
+        engine.close()
+    pairs = sum(len(s) for s in seen)
+    named = [[set(i.reshape(-1).tolist()) for i, _ in s] for s in seen]
+    return dict(
+        B=batch,
+        S=slots,
+        steps=len(seen[0]),
+        named=sum(len(u) for layer in named for u in layer) / pairs,
+        beyond=sum(max(0, len(u) - slots) for layer in named for u in layer) / pairs,
+        install=sum(len(u - h) for s in seen for u, h in ((set(i.reshape(-1).tolist()), h) for i, h in s)) / pairs,
+        most_named=sum(most_named([i for i, _ in s], slots) for s in seen) / pairs,
+        fewest=sum(fewest_misses(layer, slots) for layer in named) / pairs,
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--batches", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--slots", type=int, nargs="+", default=[16])
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args()
+    print(f"{a.model}: experts brought in a layer a decode step (means over the steps and layers)")
+    print("B S steps named beyond install most-named fewest")
+    for b in a.batches:
+        for s in a.slots:
+            r = run(a.model, b, s, a.tokens)
+            print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
+                  ("named", "beyond", "install", "most_named", "fewest")), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
