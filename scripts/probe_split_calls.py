@@ -21,6 +21,7 @@ mlx-lm's call agrees with itself. A probe: no record.
 """
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -37,12 +38,13 @@ from engine.models.anatomy import moe_blocks  # noqa: E402
 def random_switch(model_id: str, seed: int):
     """The first MoE layer's switch module of `model_id`, as a build makes it, with random
     weights: packed codes uniform, microscaling scales between 2^-8 and 2^-4, affine scales and
-    biases of unit-scale outputs, other floats small."""
+    biases that centre the codes, other floats small."""
     model = registry.skeleton(model_id)
     switch = moe_blocks(model)[0].switch
     rng = np.random.default_rng(seed)
-    params = []
-    for name, p in tree_flatten(switch.parameters()):
+    flat = tree_flatten(switch.parameters())
+    drawn = {}
+    for name, p in flat:
         if p.dtype == mx.uint32:
             v = rng.integers(0, 1 << 32, size=p.shape, dtype=np.uint32)
         elif p.dtype == mx.uint8:
@@ -50,10 +52,17 @@ def random_switch(model_id: str, seed: int):
         elif name.endswith("scales"):
             v = rng.uniform(0.5, 1.5, size=p.shape) * 0.02
         elif name.endswith("biases"):
-            v = rng.uniform(-0.02, 0.0, size=p.shape)
+            continue  # from the scales, below
         else:
             v = rng.standard_normal(p.shape) * 0.02
-        params.append((name, mx.array(v).astype(p.dtype)))
+        drawn[name] = v
+    for name, _ in flat:
+        if name.endswith("biases"):
+            # the codes' middle at zero: Mixtral's widths overflow float16 otherwise
+            owner = functools.reduce(getattr, name.split(".")[:-1], switch)
+            scales = drawn[name.removesuffix("biases") + "scales"]
+            drawn[name] = -((1 << owner.bits) - 1) / 2 * scales * rng.uniform(0.9, 1.1, size=scales.shape)
+    params = [(name, mx.array(drawn[name]).astype(p.dtype)) for name, p in flat]
     switch.update(tree_unflatten(params))
     mx.eval(switch.parameters())
     dtype = next(p.dtype for _, p in params if p.dtype in (mx.float16, mx.bfloat16, mx.float32))

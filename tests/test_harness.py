@@ -969,6 +969,30 @@ def test_where_a_batch_counted_the_experts_its_rows_named_the_bus_carries_those_
     assert figs["bus serial x resident[S=32/device@B4]"] == 1.0
 
 
+def test_bench_miss_where_no_inplace_install_runs_measures_the_others_under_their_own_names(monkeypatch, capsys):
+    """On a GPU `--install inplace` is pinned (a slot table's host views cannot be shared with the
+    device), so `bench miss` there measures no `inplace` path and reads no record into a slot
+    table's host view: the GPU's run once failed on that. Here the CPU plays such a machine."""
+    import argparse
+
+    from engine.runtime import installs
+    from harness import bench
+
+    real = installs.choose
+
+    def on_a_gpu(asked, *args, **kwargs):
+        return real("copy" if asked == "inplace" else asked, *args, **kwargs)
+
+    monkeypatch.setattr(installs, "choose", on_a_gpu)
+    p = argparse.ArgumentParser()
+    bench.add_args(p)
+    a = p.parse_args(["miss", "--model", "olmoe-tiny", "--repeats", "1", "--readers", "2", "--batch", "1", "4"])
+    out = bench.miss(a)
+    assert set(out["per_miss_ms"]) >= {"raw_preadv/b1", "engine_copy/b4"}
+    assert not any("inplace" in n or "into_slots" in n for n in out["per_miss_ms"])
+    assert "no inplace install here" in capsys.readouterr().err
+
+
 def test_the_fewest_misses_of_a_cache_are_those_of_every_choice_searched_and_bound_the_limit():
     """What each step's rows name differs from the step before's, so S slots cannot hold just what
     every step names: `fewest_misses` (Belady's rule) is the least any cache of S brings in,
