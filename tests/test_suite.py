@@ -536,6 +536,13 @@ def test_the_readmes_many_rows_table_reads_each_target_from_the_latest_gpu_run_t
     assert ("| 8 clients through `serve`, × mlx_lm.server | 0.40× (target 0.3 met); p99 2.50 s (mlx_lm.server "
             "0.80 s) |") in table  # fmt: skip
     assert "one at a time" not in table and "B = 4" not in table  # a target not measured has no row
+    # a run that counted the fewest misses any 16 slots allow says the limit with them too
+    fewest = {"bus cache limit x resident[S=16/device@B16]": 0.23, "bus serial x resident[S=16/device@B16]": 0.2}
+    more = pd.concat([frame, bench_rows([(*gpu, "batch", m, None, None, None, 64, f, v)
+                                         for f, v in fewest.items()], "b1")])  # fmt: skip
+    assert ("| `batch_generate`, B = 16, S = 16 | 0.22× [0.20, 0.23] (target 0.3 missed by 0.08); the bus's "
+            "limit 0.24× (0.20× copying, then computing), 0.23× with the fewest misses any 16 slots allow |"
+            ) in docblocks.many_rows_targets(more)  # fmt: skip
     assert table.endswith("Greedy tokens equal resident's in 2 of 3 configurations of these. Runs: `bench prefill` "
                           "`p1` on H200; `bench batch` `b1` on H200; `bench serve` `s1` on H200.")  # fmt: skip
     # a later run of another install alone (an ablation: `--installs pinned`) is no target's run
@@ -608,6 +615,16 @@ def test_the_many_rows_sentence_sets_the_default_path_against_its_targets_and_it
         in table
     )
     assert "| the same, each step's copies before its compute | 0.60× |  |" in table
+    # and the fewest experts any S slots bring in over the run's steps (Belady's rule), the limit with them
+    least = {**named, "fewest misses a layer[S=16/device/union@B4]": 12.25,
+             "bus cache limit x resident[S=16/device/union@B4]": 0.7}  # fmt: skip
+    counted = [(*base, "batch", m, None, None, None, 64, f, v) for f, v in least.items()]
+    text = docblocks.many_rows(bench_rows([r for r in rows if r[3] == "prefill"] + counted))
+    assert ("reached 0.60 of it); as no S slots hold just what each step's rows name, the fewest experts any 16 "
+            "slots bring in (Belady's rule) make it B = 4 0.70× (12.2 a layer a step)") in text  # fmt: skip
+    table = docblocks.many_rows_tables(bench_rows(counted))
+    assert "| the fewest experts any 16 slots bring in, a layer a step | 12.2 |  |" in table
+    assert "| the bus's limit with those read once a step | 0.70× |  |" in table
     cpu = [("cpu", "EPYC", "h", "prefill", "olmoe-tiny-f32", None, None, None, 8, f, v) for f, v in pre.items()]
     assert "(target" not in docblocks.many_rows(bench_rows(cpu))  # targets are the GPU's full-size model's
     assert "No `bench prefill`" in docblocks.many_rows(bench_rows([]))
