@@ -496,6 +496,7 @@ def many_rows(figdir):
 
     prefill, batch = both("prefill", "ttft_ms"), both("batch", "tok_s")
     limits = _latest_figures(mine, "batch", "bus limit x resident")
+    least = _latest_figures(mine, "batch", "bus cache limit x resident")  # recorded since 1825098
     keys = sorted(set(prefill.groupby(["machine", "model"]).groups) | set(batch.groupby(["machine", "model"]).groups))
     if not keys:
         return _empty(figdir, "many_rows", "bench prefill or batch records")
@@ -511,7 +512,8 @@ def many_rows(figdir):
                 panel.errorbar(h["x"], h["value"], yerr=err, marker="*" if ref else "o", capsize=3,
                                color="k" if ref else f"C{i}", linewidth=2 if ref else 1, label=config)  # fmt: skip
             if panel is bx:
-                _bus_limits(bx, g, limits[(limits["machine"] == key[0]) & (limits["model"] == key[1])])
+                for lim, style, what in ((limits, "--", "bus's limit"), (least, ":", "fewest misses' limit")):
+                    _bus_limits(bx, g, lim[(lim["machine"] == key[0]) & (lim["model"] == key[1])], style, what)
             panel.set_xscale("log", base=2)
             panel.set_xlabel(xlabel)
             panel.set_ylabel(ylabel)
@@ -527,10 +529,11 @@ def many_rows(figdir):
     _save(fig, figdir, "many_rows")
 
 
-def _bus_limits(panel, g: pd.DataFrame, limits: pd.DataFrame):
+def _bus_limits(panel, g: pd.DataFrame, limits: pd.DataFrame, style: str = "--", what: str = "bus's limit"):
     """The bus's limit of each S at each B the run bounds (where it counted the experts the rows
     named, every B; before, the B whose rows name every expert), as tok/s (the limit's multiple of
-    resident's tok/s at that B): a dashed bar at each such B, one colour an S."""
+    resident's tok/s at that B): a bar in `style` at each such B, one colour an S. The same for the
+    limit with the fewest misses any S slots allow (dotted)."""
     res = g[g["config"] == "resident"].set_index("x")["value"]
     limits = limits.assign(S=limits["config"].str.extract(r"^S=(\d+)/", expand=False))
     for j, (S, h) in enumerate(limits.dropna(subset=["S"]).groupby("S", sort=True)):
@@ -538,8 +541,8 @@ def _bus_limits(panel, g: pd.DataFrame, limits: pd.DataFrame):
         h = h[h["x"].isin(res.index)]
         if len(h):
             y = h["value"].to_numpy() * res[h["x"]].to_numpy()  # a short dashed bar at each such B
-            panel.hlines(y, h["x"] / 1.3, h["x"] * 1.3, linestyles="--", linewidth=1.5,
-                         colors="C3" if j == 0 else f"C{3 + j}", label=f"bus's limit, S = {S}")  # fmt: skip
+            panel.hlines(y, h["x"] / 1.3, h["x"] * 1.3, linestyles=style, linewidth=1.5,
+                         colors="C3" if j == 0 else f"C{3 + j}", label=f"{what}, S = {S}")  # fmt: skip
 
 
 def _config_figures(g: pd.DataFrame) -> dict:
