@@ -284,8 +284,8 @@ def test_the_batch_slots_probe_counts_a_steps_misses_between_the_least_any_cache
     assert out.returncode == 0, out.stderr
     rows = {int(r[0]): [float(x) for x in r[3:]] for r in (line.split() for line in out.stdout.splitlines()[2:])}
     assert set(rows) == {1, 4}
-    for named, beyond, install, most, fewest in rows.values():
-        assert beyond <= fewest <= min(install, most) and max(install, most) <= named
+    for named, beyond, install, most, decayed, fewest in rows.values():
+        assert beyond <= fewest <= min(install, most, decayed) and max(install, most, decayed) <= named
     assert rows[1][:2] == [8.0, 0.0] and rows[4][0] > 8
 
 
