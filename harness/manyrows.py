@@ -8,7 +8,9 @@ resident decoding (the model's own mlx-lm model) in the same repeat, interleaved
   the bus's limit at each B: resident's time a step over the larger of that time and the bus's
   time for every expert the step's rows can name (min(E, B x top-k) a layer), read once, at the
   bandwidth measured in the same run (`harness.bus`). Where B x top-k reaches E, that is every
-  expert of every layer a step: the bytes the many-rows path cannot read less of.
+  expert of every layer a step: the bytes the many-rows path cannot read less of. On an untimed
+  run of resident's model it also counts the experts each step's rows name, and the fewest any
+  cache of S slots must bring in over the steps (`named_experts`, `fewest_misses`).
 
 A configuration is S (`--slots`) x install (`--installs`) x, for the device install, whether a
 prompt copies the next layer's area during this one's compute (`--area-ahead`). Every repeat runs
