@@ -385,9 +385,9 @@ def miss(a):
     raw_buf = store.empty_record()
     why_not_pinned = device.pinned_unavailable()
     reader_pool = ThreadPoolExecutor(max_workers=R, thread_name_prefix="titan-bench-reader")
-    # `--install inplace` on a GPU is pinned (its host views cannot be shared with the device):
-    # measured there under its own name only, and no slot table takes preadv directly
-    inplace = installs.choose("inplace", 0).name == "inplace"
+    # `--install inplace` on a GPU is pinned, whose tables have no host views (a GPU cannot share
+    # them): it is measured there under its own name only, and no slot table takes preadv directly
+    inplace = installs.choose("inplace", 0).host_views
     modes = [f"inplace_r{r}" for r in a.readers] * inplace + ["copy"] + ([] if why_not_pinned else ["pinned"])
     if why_not_pinned:
         print(f"  (no pinned path or floor: {why_not_pinned})", file=sys.stderr)
