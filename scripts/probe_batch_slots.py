@@ -35,47 +35,58 @@ import numpy as np  # noqa: E402
 from mlx_lm.generate import batch_generate  # noqa: E402
 
 from engine import EngineConfig, load  # noqa: E402
+from engine.models.anatomy import moe_blocks  # noqa: E402
 from engine.predict import prompts  # noqa: E402
-from engine.runtime.moe import engine_layers  # noqa: E402
+from engine.runtime.moe import SlotSwitchGLU, engine_layers  # noqa: E402
 from harness.manyrows import fewest_misses  # noqa: E402
 
 
-def most_named(steps: list, slots: int) -> int:
-    """Experts brought in by a cache that keeps, after each step, the `slots` experts most of that
-    step's rows named (ties: the later row's), starting from the first step's choice. `steps`:
-    each step's (rows, top-k) indices."""
+def _brought(steps: list, slots: int, keep) -> int:
+    """Experts brought in over `steps` (each step's (rows, top-k) indices) by a cache that holds,
+    after each step, what `keep(inds)` returns; the first step brings in only what it names beyond
+    `slots` (as warm a start as `fewest_misses` gives itself)."""
     held, brought = set(), 0
     for t, inds in enumerate(steps):
         named = set(inds.reshape(-1).tolist())
         brought += len(named - held) if t else max(0, len(named) - slots)
+        held = keep(inds)
+    return brought
+
+
+def most_named(steps: list, slots: int) -> int:
+    """Experts brought in by a cache that keeps, after each step, the `slots` experts most of that
+    step's rows named (ties: the later row's)."""
+
+    def keep(inds):
         votes = Counter()
         for r, row in enumerate(inds):
             for e in row.tolist():
                 votes[e] += 1 + r / (len(inds) + 1)  # a later row breaks a tie
-        held = {e for e, _ in votes.most_common(slots)}
-    return brought
+        return {e for e, _ in votes.most_common(slots)}
+
+    return _brought(steps, slots, keep)
 
 
 def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
     """Experts brought in by a cache that keeps, after each step, the `slots` experts with the most
     rows naming them over the steps so far, each earlier step's count weighed `decay` times less
-    (a least-frequently-used rule that forgets), from the first step's choice as `most_named`."""
-    held, brought, score = set(), 0, Counter()
-    for t, inds in enumerate(steps):
-        named = set(inds.reshape(-1).tolist())
-        brought += len(named - held) if t else max(0, len(named) - slots)
+    (a least-frequently-used rule that forgets)."""
+    score = Counter()
+
+    def keep(inds):
         for e in score:
             score[e] *= decay
         score.update(inds.reshape(-1).tolist())
-        held = {e for e, _ in score.most_common(slots)}
-    return brought
+        return {e for e, _ in score.most_common(slots)}
+
+    return _brought(steps, slots, keep)
 
 
 def run(model_id: str, batch: int, slots: int, tokens: int) -> dict:
     engine = load(model_id, EngineConfig(slots=slots, install="device"))
     try:
-        layers, cache = engine_layers(engine.model), engine.cache
-        seen = [[] for _ in layers]  # per layer: (the step's indices, the experts its slots held)
+        cache = engine.cache
+        seen = [[] for _ in engine_layers(engine.model)]  # per layer: (the step's indices, the experts its slots held)
 
         class Counted(nn.Module):
             def __init__(self, switch):
@@ -89,20 +100,16 @@ def run(model_id: str, batch: int, slots: int, tokens: int) -> dict:
                     seen[self.switch._layer].append((inds, held))
                 return self.switch(x, indices)
 
-        mine, parents = {id(m) for m in layers}, {}
-        for _, module in engine.model.named_modules():
-            for attr, child in module.children().items():
-                if id(child) in mine:
-                    parents[id(child)] = (module, attr, child)
-        for module, attr, child in parents.values():
-            setattr(module, attr, Counted(child))
+        blocks = moe_blocks(engine.model, kinds=(SlotSwitchGLU,))
+        for b in blocks:
+            setattr(b.parent, b.attr, Counted(b.switch))
         try:
             texts = [p["text"] for p in prompts.load("general", "eval")]
             ids = [engine.tokenizer.encode(texts[i % len(texts)])[:64] for i in range(batch)]
             batch_generate(engine.model, engine.tokenizer, ids, max_tokens=tokens)
         finally:
-            for module, attr, child in parents.values():
-                setattr(module, attr, child)
+            for b in blocks:
+                setattr(b.parent, b.attr, b.switch)
     finally:
         engine.close()
     pairs = sum(len(s) for s in seen)
@@ -113,7 +120,7 @@ def run(model_id: str, batch: int, slots: int, tokens: int) -> dict:
         steps=len(seen[0]),
         named=sum(len(u) for layer in named for u in layer) / pairs,
         beyond=sum(max(0, len(u) - slots) for layer in named for u in layer) / pairs,
-        install=sum(len(u - h) for s in seen for u, h in ((set(i.reshape(-1).tolist()), h) for i, h in s)) / pairs,
+        install=sum(len(u - h) for layer, s in zip(named, seen) for u, (_, h) in zip(layer, s)) / pairs,
         most_named=sum(most_named([i for i, _ in s], slots) for s in seen) / pairs,
         decayed=sum(decayed([i for i, _ in s], slots) for s in seen) / pairs,
         fewest=sum(fewest_misses(layer, slots) for layer in named) / pairs,

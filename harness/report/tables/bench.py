@@ -156,24 +156,18 @@ def _slot_limits(res: dict, b: str, k_) -> dict:
     for k in res["tok_s"]:
         if not k.startswith("S="):
             continue
+        S, at = config_slots(k), f"{k_(k)}@B{b}"
         if named is not None:
-            args = (
-                named,
-                config_slots(k),
-                res["expert_bytes"],
-                res["bus"]["gb_s"],
-                res["tok_s"]["resident"][b]["median"],
-            )
-            x, serial = named_limit(*args), named_limit(*args, serial=True)
-            out[f"bus serial x resident[{k_(k)}@B{b}]"] = serial
-            if str(config_slots(k)) in named.get("fewest_misses", {}):  # counted since: any cache's least
-                out[f"bus cache limit x resident[{k_(k)}@B{b}]"] = named_limit(*args, fewest=True)
-                pairs = max(1, sum(named["counts"].values()))
-                out[f"fewest misses a layer[{k_(k)}@B{b}]"] = named["fewest_misses"][str(config_slots(k))] / pairs
+            args = (named, S, res["expert_bytes"], res["bus"]["gb_s"], res["tok_s"]["resident"][b]["median"])
+            x, out[f"bus serial x resident[{at}]"] = named_limit(*args), named_limit(*args, serial=True)
+            least = named.get("fewest_misses", {}).get(str(S))
+            if least is not None:  # counted since: any cache's least
+                out[f"bus cache limit x resident[{at}]"] = named_limit(*args, fewest=True)
+                out[f"fewest misses a layer[{at}]"] = least / max(1, sum(named["counts"].values()))
         else:
-            bus_s = res["step_bytes"][b] * max(0, E - config_slots(k)) / E / (res["bus"]["gb_s"] * 1e9)
+            bus_s = res["step_bytes"][b] * max(0, E - S) / E / (res["bus"]["gb_s"] * 1e9)
             x = resident_s / max(resident_s, bus_s)
-        out[f"bus limit x resident[{k_(k)}@B{b}]"] = x
+        out[f"bus limit x resident[{at}]"] = x
     return out
 
 
