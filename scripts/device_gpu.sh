@@ -211,8 +211,9 @@ for step in "$@"; do
             run $py scripts/probe_split_calls.py $m --batches 1 2 4 8 16 64
           done ;;
     batchslots)  # the experts a batched step brings in a layer against the fewest any S slots allow
-            # (scripts/probe_batch_slots.py; needs build; no record)
-          run $py scripts/probe_batch_slots.py $full --batches 4 16 --slots 8 16 32 ;;
+            # (scripts/probe_batch_slots.py; needs build; no record); the routing it traced comes back
+            # in logs.tgz (results/logs/batchslots), so other rules can be counted without a GPU
+          run $py scripts/probe_batch_slots.py $full --batches 4 16 --slots 8 16 32 --trace results/logs/batchslots ;;
     probe)  # where FULL's logits part from mlx-lm's, teacher-forced, with MLX's CUDA graphs and without
             # (scripts/probe_exactness.py; PROMPT_TOKENS, RESIDENT_RUNS; PROBE="STEPS VARIANTS"); needs build
           run $py scripts/probe_exactness.py $full ${PROBE:-4 quarter,full}

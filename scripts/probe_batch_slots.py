@@ -18,9 +18,13 @@ from the host tier. Beside them, over the same steps:
   nearly the same experts step after step, and the latest rows are not theirs);
 - `fewest`: Belady's rule (`harness.manyrows.fewest_misses`), the least any cache of S brings in.
 The install's own rule keeps the latest rows' experts (`engine.runtime.device.cache`). A probe:
-no record; the printed table is its result.
+no record; the printed table is its result. `--trace DIR` also writes each batch's routing,
+DIR/MODEL-B{B}.npz (one (steps, B, top-k) array a layer, `layer0`...): what the experts a step
+names are does not depend on the slots (the logits are mlx-lm's at every S), so any other rule
+can be counted against it later without the model (`python scripts/probe_batch_slots.py --replay
+DIR/MODEL-B4.npz --slots 16`).
 
-    python scripts/probe_batch_slots.py MODEL [--batches 4 16] [--slots 16] [--tokens 64]
+    python scripts/probe_batch_slots.py MODEL [--batches 4 16] [--slots 16] [--tokens 64] [--trace DIR]
 """
 
 import argparse
@@ -82,7 +86,7 @@ def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
     return _brought(steps, slots, keep)
 
 
-def run(model_id: str, batch: int, slots: int, tokens: int) -> dict:
+def run(model_id: str, batch: int, slots: int, tokens: int, trace: Path | None = None) -> dict:
     engine = load(model_id, EngineConfig(slots=slots, install="device"))
     try:
         cache = engine.cache
@@ -112,35 +116,59 @@ def run(model_id: str, batch: int, slots: int, tokens: int) -> dict:
                 setattr(b.parent, b.attr, b.switch)
     finally:
         engine.close()
-    pairs = sum(len(s) for s in seen)
-    named = [[set(i.reshape(-1).tolist()) for i, _ in s] for s in seen]
-    return dict(
-        B=batch,
-        S=slots,
-        steps=len(seen[0]),
-        named=sum(len(u) for layer in named for u in layer) / pairs,
-        beyond=sum(max(0, len(u) - slots) for layer in named for u in layer) / pairs,
-        install=sum(len(u - h) for layer, s in zip(named, seen) for u, (_, h) in zip(layer, s)) / pairs,
-        most_named=sum(most_named([i for i, _ in s], slots) for s in seen) / pairs,
-        decayed=sum(decayed([i for i, _ in s], slots) for s in seen) / pairs,
-        fewest=sum(fewest_misses(layer, slots) for layer in named) / pairs,
-    )
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        np.savez(
+            trace / f"{model_id}-B{batch}.npz", **{f"layer{i}": np.stack([x for x, _ in s]) for i, s in enumerate(seen)}
+        )
+    return count([[i for i, _ in s] for s in seen], batch, slots, [[h for _, h in s] for s in seen])
+
+
+def count(steps: list, batch: int, slots: int, held: list | None = None) -> dict:
+    """The table's row from each layer's steps (their (rows, top-k) indices) and, where the install
+    ran, the experts its slots held before each step."""
+    pairs = sum(len(s) for s in steps)
+    named = [[set(i.reshape(-1).tolist()) for i in s] for s in steps]
+    row = dict(B=batch, S=slots, steps=len(steps[0]))
+    row["named"] = sum(len(u) for layer in named for u in layer) / pairs
+    row["beyond"] = sum(max(0, len(u) - slots) for layer in named for u in layer) / pairs
+    row["install"] = (float("nan") if held is None else
+                      sum(len(u - h) for layer, hs in zip(named, held) for u, h in zip(layer, hs)) / pairs)  # fmt: skip
+    row["most_named"] = sum(most_named(s, slots) for s in steps) / pairs
+    row["decayed"] = sum(decayed(s, slots) for s in steps) / pairs
+    row["fewest"] = sum(fewest_misses(layer, slots) for layer in named) / pairs
+    return row
+
+
+def replay(path: Path, slots: int) -> dict:
+    """`count` over a trace `--trace` wrote (no install: its column is nan)."""
+    with np.load(path) as z:
+        steps = [list(z[f"layer{i}"]) for i in range(len(z.files))]
+    return count(steps, steps[0][0].shape[0], slots)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?", help="a model id (or none, with --replay)")
     ap.add_argument("--batches", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--slots", type=int, nargs="+", default=[16])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--trace", type=Path, help="write each batch's routing here (MODEL-B{B}.npz)")
+    ap.add_argument("--replay", type=Path, nargs="+", help="count traces --trace wrote, instead of a model")
     a = ap.parse_args()
-    print(f"{a.model}: experts brought in a layer a decode step (means over the steps and layers)")
+    if (a.model is None) == (a.replay is None):
+        ap.error("give a MODEL or --replay TRACE..., not both")
+    print(f"{a.model or 'replayed'}: experts brought in a layer a decode step (means over the steps and layers)")
     print("B S steps named beyond install most-named decayed fewest")
-    for b in a.batches:
-        for s in a.slots:
-            r = run(a.model, b, s, a.tokens)
-            print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
-                  ("named", "beyond", "install", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
+    runs = (
+        [(b, s) for b in a.batches for s in a.slots]
+        if a.replay is None
+        else [(t, s) for t in a.replay for s in a.slots]
+    )
+    for b, s in runs:
+        r = run(a.model, b, s, a.tokens, a.trace) if a.replay is None else replay(b, s)
+        print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
+              ("named", "beyond", "install", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

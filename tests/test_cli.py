@@ -274,19 +274,27 @@ def test_the_peak_probe_separates_a_prompts_prefill_by_its_chunk():
     assert set(rows) == {64, 256} and rows[256] > rows[64], out.stdout
 
 
-def test_the_batch_slots_probe_counts_a_steps_misses_between_the_least_any_cache_allows_and_all_it_names():
+def test_the_batch_slots_probe_counts_a_steps_misses_between_the_least_any_cache_allows_and_all_it_names(tmp_path):
     """scripts/probe_batch_slots.py (docs/gpu.md: where a batched step's time goes), on the CPU:
     the device install's misses a layer a step, read from its slot maps, lie between the fewest
     any cache of S allows (Belady's rule) and every expert the rows named; no S slots bring in
-    fewer than a step's experts beyond S; one row names its top-k."""
-    out = subprocess.run([sys.executable, ROOT / "scripts" / "probe_batch_slots.py", "olmoe-tiny-f32", "--batches",
-                          "1", "4", "--tokens", "8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    fewer than a step's experts beyond S; one row names its top-k. The routing it traces, replayed
+    without the model, counts every rule alike (the install's column aside, which needs the model)."""
+    probe = [sys.executable, ROOT / "scripts" / "probe_batch_slots.py"]
+    out = subprocess.run([*probe, "olmoe-tiny-f32", "--batches", "1", "4", "--tokens", "8", "--trace", tmp_path],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = {int(r[0]): [float(x) for x in r[3:]] for r in (line.split() for line in out.stdout.splitlines()[2:])}
     assert set(rows) == {1, 4}
     for named, beyond, install, most, decayed, fewest in rows.values():
         assert beyond <= fewest <= min(install, most, decayed) and max(install, most, decayed) <= named
     assert rows[1][:2] == [8.0, 0.0] and rows[4][0] > 8
+    again = subprocess.run([*probe, "--replay", tmp_path / "olmoe-tiny-f32-B4.npz"], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    (replayed,) = [[float(x) for x in line.split()[3:]] for line in again.stdout.splitlines()[2:]]
+    assert replayed[2] != replayed[2]  # nan: no install ran
+    assert replayed[:2] + replayed[3:] == rows[4][:2] + rows[4][3:]
 
 
 def test_the_split_probe_compares_each_pair_of_a_split_step_with_mlx_lms_one_call():
