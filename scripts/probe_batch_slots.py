@@ -47,13 +47,14 @@ from harness.manyrows import fewest_misses  # noqa: E402
 
 def _brought(steps: list, slots: int, keep) -> int:
     """Experts brought in over `steps` (each step's (rows, top-k) indices) by a cache that holds,
-    after each step, what `keep(inds)` returns; the first step brings in only what it names beyond
-    `slots` (as warm a start as `fewest_misses` gives itself)."""
+    after each step, what `keep(inds, on_device)` returns of the experts then on the device (those it
+    held and those the step brought); the first step brings in only what it names beyond `slots`
+    (as warm a start as `fewest_misses` gives itself)."""
     held, brought = set(), 0
     for t, inds in enumerate(steps):
         named = set(inds.reshape(-1).tolist())
         brought += len(named - held) if t else max(0, len(named) - slots)
-        held = keep(inds)
+        held = keep(inds, held | named)
     return brought
 
 
@@ -61,7 +62,7 @@ def most_named(steps: list, slots: int) -> int:
     """Experts brought in by a cache that keeps, after each step, the `slots` experts most of that
     step's rows named (ties: the later row's)."""
 
-    def keep(inds):
+    def keep(inds, _):
         votes = Counter()
         for r, row in enumerate(inds):
             for e in row.tolist():
@@ -72,16 +73,16 @@ def most_named(steps: list, slots: int) -> int:
 
 
 def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
-    """Experts brought in by a cache that keeps, after each step, the `slots` experts with the most
-    rows naming them over the steps so far, each earlier step's count weighed `decay` times less
-    (a least-frequently-used rule that forgets)."""
+    """Experts brought in by a cache that keeps, after each step, the `slots` experts on the device
+    with the most rows naming them over the steps so far, each earlier step's count weighed `decay`
+    times less (a least-frequently-used rule that forgets)."""
     score = Counter()
 
-    def keep(inds):
+    def keep(inds, on_device):
         for e in score:
             score[e] *= decay
         score.update(inds.reshape(-1).tolist())
-        return {e for e, _ in score.most_common(slots)}
+        return set(sorted(on_device, key=lambda e: (-score[e], e))[:slots])
 
     return _brought(steps, slots, keep)
 
@@ -116,11 +117,11 @@ def run(model_id: str, batch: int, slots: int, tokens: int, trace: Path | None =
                 setattr(b.parent, b.attr, b.switch)
     finally:
         engine.close()
-    if trace is not None:
+    if trace is not None:  # a layer's steps end to end, and each step's rows (finished sequences leave a batch)
         trace.mkdir(parents=True, exist_ok=True)
-        np.savez(
-            trace / f"{model_id}-B{batch}.npz", **{f"layer{i}": np.stack([x for x, _ in s]) for i, s in enumerate(seen)}
-        )
+        arrays = {f"layer{i}": np.concatenate([x for x, _ in s]) for i, s in enumerate(seen)}
+        arrays |= {f"rows{i}": np.array([len(x) for x, _ in s]) for i, s in enumerate(seen)}
+        np.savez(trace / f"{model_id}-B{batch}.npz", **arrays)
     return count([[i for i, _ in s] for s in seen], batch, slots, [[h for _, h in s] for s in seen])
 
 
@@ -143,8 +144,9 @@ def count(steps: list, batch: int, slots: int, held: list | None = None) -> dict
 def replay(path: Path, slots: int) -> dict:
     """`count` over a trace `--trace` wrote (no install: its column is nan)."""
     with np.load(path) as z:
-        steps = [list(z[f"layer{i}"]) for i in range(len(z.files))]
-    return count(steps, steps[0][0].shape[0], slots)
+        layers = len([f for f in z.files if f.startswith("layer")])
+        steps = [np.split(z[f"layer{i}"], np.cumsum(z[f"rows{i}"])[:-1]) for i in range(layers)]
+    return count(steps, max(len(s) for s in steps[0]), slots)
 
 
 def main():
