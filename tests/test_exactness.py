@@ -214,3 +214,46 @@ def test_several_sequences_at_once_are_mlx_lms_batch_bit_for_bit(install):
     assert got[0] == want[0]
     assert got[1] == want[1]  # floats compared exactly
     assert many > 0  # the batch's rows did not fit the table
+
+
+def test_what_the_slots_keep_after_many_rows_is_the_share_of_rows_naming_each_expert_decayed_over_calls():
+    """`moe.kept_after_many_rows`: the S experts on the device named by the largest share of the
+    calls' rows, each earlier call weighed `decay` times less; never one the device does not hold;
+    -1 past the experts with a score."""
+    from engine.runtime.moe import kept_after_many_rows
+
+    E, on = 8, mx.ones((8,), mx.bool_)
+    rows = mx.array([[0, 1], [0, 2], [0, 3], [4, 1]])  # four rows, top 2: 0 named by 3, 1 by 2
+    score, keep = kept_after_many_rows(rows, 2, on, None)
+    assert keep.tolist() == [0, 1] and score.tolist()[:5] == [0.75, 0.5, 0.25, 0.25, 0.25]
+    _, keep = kept_after_many_rows(rows, 6, on, None)
+    assert sorted(keep.tolist()) == [-1, 0, 1, 2, 3, 4]  # five named: the sixth slot keeps no one
+    only = mx.array([e != 0 for e in range(E)])
+    assert 0 not in kept_after_many_rows(rows, 2, only, None)[1].tolist()  # not on the device: not kept
+    # expert 5 named by one row of four at every call outlasts expert 6, named by all four once, two calls ago
+    score = None
+    for call in ([[6, 7]] * 4, [[5, 1], [2, 3], [2, 3], [2, 3]], [[5, 4], [2, 3], [2, 3], [2, 3]]):
+        score, keep = kept_after_many_rows(mx.array(call), 3, on, score, decay=0.3)
+    assert set(keep.tolist()) == {2, 3, 5}
+
+
+def test_after_a_batched_step_every_install_keeps_the_same_experts():
+    """One rule, asked by every install: after batch_generate's steps the host install's tables and
+    the device install's slot maps hold the same experts in every layer."""
+    from mlx_lm.generate import batch_generate
+
+    _, tok, _ = registry.load_reference("qwen3moe-tiny")
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\n", "class Stack:\n    def push(self", "x")]
+    held = {}
+    for install in (HOST_INSTALL, "device"):
+        eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install))
+        try:
+            batch_generate(eng.model, tok, prompts, max_tokens=6)
+            c = eng.cache
+            held[install] = [
+                set(np.flatnonzero(c.tables[i].slot_of >= 0).tolist()) if install == HOST_INSTALL
+                else set(c.resident(i).tolist()) - {-1} for i in range(len(c.slots))
+            ]  # fmt: skip
+        finally:
+            eng.close()
+    assert held[HOST_INSTALL] == held["device"] and all(len(h) == 16 for h in held["device"])
