@@ -219,7 +219,7 @@ def test_several_sequences_at_once_are_mlx_lms_batch_bit_for_bit(install):
 def test_what_the_slots_keep_after_many_rows_is_the_share_of_rows_naming_each_expert_decayed_over_calls():
     """`moe.kept_after_many_rows`: the S experts on the device named by the largest share of the
     calls' rows, each earlier call weighed `decay` times less; never one the device does not hold;
-    -1 past the experts with a score."""
+    -1 past the experts with a score; alike over numpy's arrays and MLX's."""
     from engine.runtime.moe import kept_after_many_rows
 
     E, on = 8, mx.ones((8,), mx.bool_)
@@ -235,6 +235,13 @@ def test_what_the_slots_keep_after_many_rows_is_the_share_of_rows_naming_each_ex
     for call in ([[6, 7]] * 4, [[5, 1], [2, 3], [2, 3], [2, 3]], [[5, 4], [2, 3], [2, 3], [2, 3]]):
         score, keep = kept_after_many_rows(mx.array(call), 3, on, score, decay=0.3)
     assert set(keep.tolist()) == {2, 3, 5}
+    # a host install asks with numpy arrays, the device install with MLX's: the same experts kept
+    rng, scores = np.random.default_rng(0), [None, None]
+    for _ in range(50):
+        rows, held = rng.integers(0, 64, (4, 8)), rng.random(64) > 0.3
+        scores[0], kept_np = kept_after_many_rows(rows, 16, held, scores[0])
+        scores[1], kept_mx = kept_after_many_rows(mx.array(rows), 16, mx.array(held), scores[1])
+        assert kept_np.tolist() == kept_mx.tolist()
 
 
 def test_after_a_batched_step_every_install_keeps_the_same_experts():

@@ -111,10 +111,8 @@ class ExpertCache(Cache):
         self.read_area(layer, [int(e) for e in experts])
         on_device = table.slot_of >= 0
         on_device[experts] = True
-        with mx.stream(mx.cpu):  # what the table keeps after the call (the rule every install asks)
-            self.keep_scores[layer], keep = kept_after_many_rows(mx.array(idx), table.slots, mx.array(on_device),
-                                                                 self.keep_scores[layer])  # fmt: skip
-            keep = np.array(keep)
+        # what the table keeps after the call (the rule every install asks)
+        self.keep_scores[layer], keep = kept_after_many_rows(idx, table.slots, on_device, self.keep_scores[layer])
         return Step(indices, self.area.buffers, routed=indices, note=(np.sort(keep[keep >= 0]), last))
 
     def computed(self, layer: int, x, step: Step, y):

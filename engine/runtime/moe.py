@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..models.anatomy import set_param
 
@@ -104,13 +105,21 @@ def kept_after_many_rows(indices: mx.array, slots: int, on_device: mx.array, sco
     step after step stay: `scripts/probe_batch_slots.py` counts a third fewer brought in a step on
     `olmoe-tiny-f32` at B = 4, S = 16 (for any decay in 0.3-0.8). A prompt from an empty table
     keeps the experts most of its rows named. Returns (score, keep): `keep` (slots,) int32, the
-    experts best first, -1 past the last on the device with a score."""
-    k = indices.shape[-1]
-    votes = mx.zeros(on_device.shape, mx.float32).at[indices.reshape(-1)].add(k / indices.size)
-    score = votes if score is None else score * decay + votes
-    ranked = mx.where(on_device & (score > 0), score, -1.0)
-    order = mx.argsort(-ranked)[:slots].astype(mx.int32)
-    return score, mx.where(ranked[order] > 0, order, -1)
+    experts best first, -1 past the last on the device with a score. numpy arrays in, numpy out
+    (the host installs); MLX arrays in, MLX out (the device install)."""
+    k, flat = indices.shape[-1], indices.reshape(-1)
+    if isinstance(indices, np.ndarray):  # a host install's (its routing is read back already): no MLX graph
+        votes = np.bincount(flat, minlength=on_device.shape[0]).astype(np.float32) * np.float32(k / flat.size)
+        xp = np
+    else:  # the device install's, queued on the device with the layer's call (no read back)
+        votes = mx.zeros(on_device.shape, mx.float32).at[flat].add(k / flat.size)
+        xp = mx
+    score = votes if score is None else score * np.float32(decay) + votes
+    ranked = xp.where(on_device & (score > 0), score, np.float32(-1))
+    # ties to the lower expert (MLX's argsort on the CPU is stable, as numpy's is asked to be here)
+    order = np.argsort(-ranked, kind="stable").astype(np.int32) if xp is np else mx.argsort(-ranked).astype(mx.int32)
+    order = order[:slots]
+    return score, xp.where(ranked[order] > 0, order, np.int32(-1))
 
 
 class Cache:
