@@ -117,8 +117,8 @@ class ExpertCache(Cache):
 
     def computed(self, layer: int, x, step: Step, y):
         if step.area is not None:
-            # The decode after a prompt finds the experts of the prompt's last rows resident, as
-            # it would after decoding them. The area is free again once y has been computed.
+            # The decode after a prompt (or a batch's next step) finds what kept_after_many_rows
+            # chose resident. The area is free again once y has been computed.
             kept, last = step.note
             self.ensure(layer, kept, None, last)
             self.area_reader = y

@@ -249,8 +249,8 @@ class DeviceCache(Cache):
         """Every counter over every layer, the bytes read (demand and prefetch) and the evictions,
         from the device counters (`rows`, `counter_rows()` by default: a read back, so ask after a
         token's evaluation, not inside it). A slot is never emptied once filled, so each layer's
-        fills past its first S evicted one. (A many-rows call's area is not counted: its last row's
-        misses are, filled from the area.)"""
+        fills past its first S evicted one. (A many-rows call's area is not counted: the misses of
+        what it keeps are, filled from the area.)"""
         per_layer = np.array(self.counter_rows() if rows is None else rows).astype(np.int64)
         out = dict(zip(COUNTERS, (int(c) for c in per_layer.sum(axis=0))))
         out["bytes_read"] = (out["misses"] + out["issued"]) * self.store.expert_bytes
