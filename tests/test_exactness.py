@@ -217,28 +217,29 @@ def test_several_sequences_at_once_are_mlx_lms_batch_bit_for_bit(install):
 
 
 def test_what_the_slots_keep_after_many_rows_is_the_share_of_rows_naming_each_expert_decayed_over_calls():
-    """`moe.kept_after_many_rows`: the S experts on the device named by the largest share of the
-    calls' rows, each earlier call weighed `decay` times less; never one the device does not hold;
-    -1 past the experts with a score; alike over numpy's arrays and MLX's."""
+    """`moe.kept_after_many_rows`: the S experts on the device (held, or named by the call) named by
+    the largest share of the calls' rows, each earlier call weighed `decay` times less; never one
+    the device does not hold; -1 past the experts with a score; alike over numpy's arrays and MLX's."""
     from engine.runtime.moe import kept_after_many_rows
 
-    E, on = 8, mx.ones((8,), mx.bool_)
+    none = mx.zeros((8,), mx.bool_)
     rows = mx.array([[0, 1], [0, 2], [0, 3], [4, 1]])  # four rows, top 2: 0 named by 3, 1 by 2
-    score, keep = kept_after_many_rows(rows, 2, on, None)
+    score, keep = kept_after_many_rows(rows, 2, none, None)
     assert keep.tolist() == [0, 1] and score.tolist()[:5] == [0.75, 0.5, 0.25, 0.25, 0.25]
-    _, keep = kept_after_many_rows(rows, 6, on, None)
+    _, keep = kept_after_many_rows(rows, 6, none, None)
     assert sorted(keep.tolist()) == [-1, 0, 1, 2, 3, 4]  # five named: the sixth slot keeps no one
-    only = mx.array([e != 0 for e in range(E)])
-    assert 0 not in kept_after_many_rows(rows, 2, only, None)[1].tolist()  # not on the device: not kept
     # expert 5 named by one row of four at every call outlasts expert 6, named by all four once, two calls ago
-    score = None
+    score, every = None, mx.ones((8,), mx.bool_)
     for call in ([[6, 7]] * 4, [[5, 1], [2, 3], [2, 3], [2, 3]], [[5, 4], [2, 3], [2, 3], [2, 3]]):
-        score, keep = kept_after_many_rows(mx.array(call), 3, on, score, decay=0.3)
+        score, keep = kept_after_many_rows(mx.array(call), 3, every, score, decay=0.3)
     assert set(keep.tolist()) == {2, 3, 5}
+    # 4, 5 and 6 still have a score, but were neither held nor named: their bytes are not on the device
+    _, keep = kept_after_many_rows(mx.array([[2, 3]] * 4), 4, mx.array([e in (2, 3) for e in range(8)]), score)
+    assert sorted(keep.tolist()) == [-1, -1, 2, 3]
     # a host install asks with numpy arrays, the device install with MLX's: the same experts kept
     rng, scores = np.random.default_rng(0), [None, None]
     for _ in range(50):
-        rows, held = rng.integers(0, 64, (4, 8)), rng.random(64) > 0.3
+        rows, held = rng.integers(0, 64, (4, 8)), rng.random(64) > 0.7
         scores[0], kept_np = kept_after_many_rows(rows, 16, held, scores[0])
         scores[1], kept_mx = kept_after_many_rows(mx.array(rows), 16, mx.array(held), scores[1])
         assert kept_np.tolist() == kept_mx.tolist()

@@ -109,10 +109,9 @@ class ExpertCache(Cache):
             self.ensure(layer, experts, scores, last)
             return Step(device_indices(table.slot_indices(idx)), routed=indices)
         self.read_area(layer, [int(e) for e in experts])
-        on_device = table.slot_of >= 0
-        on_device[experts] = True
         # what the table keeps after the call (the rule every install asks)
-        self.keep_scores[layer], keep = kept_after_many_rows(idx, table.slots, on_device, self.keep_scores[layer])
+        self.keep_scores[layer], keep = kept_after_many_rows(idx, table.slots, table.slot_of >= 0,
+                                                             self.keep_scores[layer])  # fmt: skip
         return Step(indices, self.area.buffers, routed=indices, note=(np.sort(keep[keep >= 0]), last))
 
     def computed(self, layer: int, x, step: Step, y):

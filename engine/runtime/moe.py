@@ -91,13 +91,13 @@ class Step:
 KEEP_DECAY = 0.6
 
 
-def kept_after_many_rows(indices: mx.array, slots: int, on_device: mx.array, score: mx.array | None,
+def kept_after_many_rows(indices: mx.array, slots: int, held: mx.array, score: mx.array | None,
                          decay: float = KEEP_DECAY) -> tuple:  # fmt: skip
     """What a layer's `slots` hold after a many-rows call over the router's `indices` (..., top-k):
-    of the experts then on the device (`on_device`, bool (E,): its slots' and those the call's
-    area brought), the `slots` named by the largest share of each call's rows over the calls so
-    far, each earlier call's share weighed `decay` times less (`score`, float32 (E,), this layer's
-    so far; None: none yet).
+    of the experts then on the device (those its slots `held`, bool (E,), before the call, and
+    those the call named, which its area brought), the `slots` named by the largest share of each
+    call's rows over the calls so far, each earlier call's share weighed `decay` times less
+    (`score`, float32 (E,), this layer's so far; None: none yet).
 
     Every row votes, not the latest alone: many families hand the switch a batch's rows flattened,
     so the latest rows of a batch of sequences are its last sequences', and keeping theirs brought
@@ -109,13 +109,13 @@ def kept_after_many_rows(indices: mx.array, slots: int, on_device: mx.array, sco
     (the host installs); MLX arrays in, MLX out (the device install)."""
     k, flat = indices.shape[-1], indices.reshape(-1)
     if isinstance(indices, np.ndarray):  # a host install's (its routing is read back already): no MLX graph
-        votes = np.bincount(flat, minlength=on_device.shape[0]).astype(np.float32) * np.float32(k / flat.size)
+        votes = np.bincount(flat, minlength=held.shape[0]).astype(np.float32) * np.float32(k / flat.size)
         xp = np
     else:  # the device install's, queued on the device with the layer's call (no read back)
-        votes = mx.zeros(on_device.shape, mx.float32).at[flat].add(k / flat.size)
+        votes = mx.zeros(held.shape, mx.float32).at[flat].add(k / flat.size)
         xp = mx
     score = votes if score is None else score * np.float32(decay) + votes
-    ranked = xp.where(on_device & (score > 0), score, np.float32(-1))
+    ranked = xp.where((held | (votes > 0)) & (score > 0), score, np.float32(-1))
     # ties to the lower expert (MLX's argsort on the CPU is stable, as numpy's is asked to be here)
     order = np.argsort(-ranked, kind="stable").astype(np.int32) if xp is np else mx.argsort(-ranked).astype(mx.int32)
     order = order[:slots]

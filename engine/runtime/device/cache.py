@@ -97,8 +97,7 @@ class DeviceCache(Cache):
                 mx.eval(self.after[layer - 2])
             area = self.area(layer, indices)
         self.stats.many_rows += 1
-        named = mx.zeros((self.num_experts,), mx.int32).at[indices.reshape(-1)].add(1) > 0
-        self.keep_scores[layer], keep = kept_after_many_rows(indices, S, named | (self.states[layer].slot_of >= 0),
+        self.keep_scores[layer], keep = kept_after_many_rows(indices, S, self.states[layer].slot_of >= 0,
                                                              self.keep_scores[layer])  # fmt: skip
         return Step(indices, area, routed=indices, note=keep)
 
