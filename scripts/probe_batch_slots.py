@@ -22,10 +22,10 @@ from the host tier. Beside them, over the same steps:
 - `fewest`: Belady's rule (`harness.manyrows.fewest_misses`), the least any cache of S brings in.
 The install's own rule is `kept_after_many_rows`, read here from its slot maps. A probe:
 no record; the printed table is its result. `--trace DIR` also writes each batch's routing,
-DIR/MODEL-B{B}.npz (one (steps, B, top-k) array a layer, `layer0`...): what the experts a step
-names are does not depend on the slots (the logits are mlx-lm's at every S), so any other rule
-can be counted against it later without the model (`python scripts/probe_batch_slots.py --replay
-DIR/MODEL-B4.npz --slots 16`).
+DIR/MODEL-B{B}.npz (a layer's decode steps end to end, `layer0`..., and each step's rows,
+`rows0`...: finished sequences leave a batch): what the experts a step names are does not depend
+on the slots (the logits are mlx-lm's at every S), so any other rule can be counted against it
+later without the model (`python scripts/probe_batch_slots.py --replay DIR/MODEL-B4.npz --slots 16`).
 
     python scripts/probe_batch_slots.py MODEL [--batches 4 16] [--slots 16] [--tokens 64] [--trace DIR]
 """
@@ -173,15 +173,11 @@ def main():
         ap.error("give a MODEL or --replay TRACE..., not both")
     print(f"{a.model or 'replayed'}: experts brought in a layer a decode step (means over the steps and layers)")
     print("B S steps named beyond install latest most-named decayed fewest")
-    runs = (
-        [(b, s) for b in a.batches for s in a.slots]
-        if a.replay is None
-        else [(t, s) for t in a.replay for s in a.slots]
-    )
-    for b, s in runs:
-        r = run(a.model, b, s, a.tokens, a.trace) if a.replay is None else replay(b, s)
-        print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
-              ("named", "beyond", "install", "latest", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
+    for source in a.batches if a.replay is None else a.replay:  # a batch size to decode, or a trace
+        for s in a.slots:
+            r = run(a.model, source, s, a.tokens, a.trace) if a.replay is None else replay(source, s)
+            print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
+                  ("named", "beyond", "install", "latest", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
