@@ -259,28 +259,63 @@ def keep_failed_logs(work: Path, failed: list, root, name: str) -> Path | None:
     return keep
 
 
+def files_of(pytest_args: list) -> frozenset:
+    """The test files a run given `pytest_args` ran every test of: every GPU file for the whole
+    suite, none where it picked tests out (`-k`, `-m`, `--deselect`, `FILE::TEST`)."""
+    if any(a.split("=")[0] in ("-k", "-m", "--deselect") or "::" in a for a in pytest_args):
+        return frozenset()
+    paths = {a.rstrip("/") for a in pytest_args if not a.startswith("-")}
+    return frozenset(GPU_FILES) if not paths or "tests" in paths else frozenset(paths)
+
+
 def covers_gpu_files(pytest_args: list) -> bool:
     """Whether a run given `pytest_args` ran every test of GPU_FILES: the whole suite or every one
-    of those files, with no test picked out of them (`-k`, `-m`, `FILE::TEST`)."""
-    if any(a.split("=")[0] in ("-k", "-m", "--deselect") or "::" in a for a in pytest_args):
-        return False
-    paths = {a.rstrip("/") for a in pytest_args if not a.startswith("-")}
-    return not paths or "tests" in paths or set(GPU_FILES) <= paths
+    of those files, with no test picked out of them."""
+    return set(GPU_FILES) <= files_of(pytest_args)
+
+
+def split_run(runs: list) -> list:
+    """Of runs in the order they ran, each (engine tree, the files it ran whole), the indices of the
+    latest and of those just before it that ran other files of the same tree: a suite split in parts
+    where device time is short (scripts/device_gpu.sh's tests and tests2), which count as one run."""
+    tree, seen = runs[-1][0], set(runs[-1][1])
+    parts = [len(runs) - 1]
+    for i in range(len(runs) - 2, -1, -1):
+        t, files = runs[i]
+        if t != tree or not files or files & seen:
+            break
+        parts.insert(0, i)
+        seen |= files
+    return parts
 
 
 def passing_record(tree: str, raw=None, device="gpu") -> dict | None:
     """The latest record of a suite run on `device` over engine tree `tree` with no failure that
-    ran every GPU file (a check of one fix, one test file or one family is not the tree's record)."""
+    ran every GPU file (a check of one fix, one test file or one family is not the tree's record),
+    or the latest passing runs of that tree that ran them between them (a split run), as one."""
     folder = Path(raw or rawlog.RAW) / GATE / EXPERIMENT
     recs = [
         r
         for r in (records.read([folder]) if folder.exists() else [])
         if r["device"] == device
         and r["result"]["engine_tree"] == tree
-        and covers_gpu_files(r["config"].get("pytest_args") or ["tests"])
+        and not r["result"]["failed"]
+        and not r["result"]["errors"]
+        and r["result"]["passed"]
     ]
-    recs = [r for r in recs if not r["result"]["failed"] and not r["result"]["errors"] and r["result"]["passed"]]
-    return max(recs, key=lambda r: r["finished_utc"]) if recs else None
+    recs.sort(key=lambda r: r["finished_utc"])
+    ran = [(tree, files_of(r["config"].get("pytest_args") or ["tests"])) for r in recs]
+    for end in range(len(recs), 0, -1):
+        parts = [recs[i] for i in split_run(ran[:end])]
+        if set(GPU_FILES) <= set().union(*(files for _, files in ran[end - len(parts) : end])):
+            if len(parts) == 1:
+                return parts[0]
+            result = dict(parts[-1]["result"])
+            result.update(
+                {k: sum(p["result"].get(k, 0) for p in parts) for k in ("passed", "skipped", "xfailed", "tests")}
+            )
+            return dict(parts[-1], result=result, _file=" + ".join(p["_file"] for p in parts))
+    return None
 
 
 def check_line(root=provenance.REPO_ROOT, raw=None) -> str:

@@ -20,6 +20,11 @@ wheels=${WHEELS:-../shared/tools/mlx-cuda-wheels.sh}
 # The server tests' client (openai and what it imports) and the property tests' hypothesis.
 EXTRA="openai httpx httpx2 httpcore httpcore2 h11 anyio sniffio idna certifi distro jiter pydantic pydantic-core
   annotated-types typing-extensions typing-inspection truststore hypothesis sortedcontainers ${EXTRA:-}" bash "$wheels"
+# The call that waits on detached steps (scripts/device_gpu.sh, DETACH=1) is call 3 again: its
+# install.sh must leave an installed site alone, or the running tests lose MLX under them (SIGBUS).
+grep -q '^rm -rf /tmp/site$' .gpu2/install.sh || { echo ".gpu2/install.sh: no 'rm -rf /tmp/site' to guard" >&2; exit 1; }
+sed -i 's|^rm -rf /tmp/site$|[ -f /tmp/site/.installed ] \&\& { echo "mlx already in /tmp/site"; exit 0; }\n&|' .gpu2/install.sh
+echo 'touch /tmp/site/.installed' >>.gpu2/install.sh
 scripts/snakemake_wheels.sh .gpu3
 for w in .gpu2/*.whl; do
   case $(basename "$w") in

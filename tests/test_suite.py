@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -202,6 +203,28 @@ def test_ci_says_whether_the_landed_tree_has_a_passing_gpu_record(tmp_path, monk
     assert suite.check_line(raw=tmp_path).startswith(f"GPU tests: engine/ tree {tree[:12]} passed")
 
 
+def test_a_suite_split_in_parts_counts_once_its_parts_ran_every_gpu_file_of_one_tree(tmp_path):
+    """Where device time is short, scripts/device_gpu.sh runs the GPU files in two parts (tests,
+    tests2): passing parts of one engine/ tree that ran every GPU file between them are its record."""
+    tree, first, rest = "b" * 40, suite.GPU_FILES[:13], suite.GPU_FILES[13:]
+
+    def record(t=tree, **kw):
+        time.sleep(0.002)  # records are ordered by when they finished
+        return _record(tmp_path, t, **kw)
+
+    a = record(args=first)
+    assert suite.passing_record(tree, tmp_path, device="cpu") is None  # a part alone is not
+    record(args=rest, failed=1)  # nor with a failing part
+    record(t="0" * 40, args=rest)  # nor with another tree's part
+    assert suite.passing_record(tree, tmp_path, device="cpu") is None
+    b = record(args=rest)
+    rec = suite.passing_record(tree, tmp_path, device="cpu")
+    assert [Path(f).name for f in rec["_file"].split(" + ")] == [a.name, b.name]
+    assert rec["result"]["passed"] == 20 and rec["result"]["skipped"] == 2
+    assert suite.split_run([("t", {"x"}), ("t", {"y"}), ("u", {"z"}), ("u", {"w"})]) == [2, 3]
+    assert suite.split_run([("t", {"x"}), ("t", {"x", "y"})]) == [1]  # a run of a file again starts anew
+
+
 def test_a_run_counts_for_its_tree_only_where_it_ran_every_gpu_file():
     assert suite.covers_gpu_files(["tests"]) and suite.covers_gpu_files(["tests/", "-x"])
     assert suite.covers_gpu_files(list(suite.GPU_FILES)) and suite.covers_gpu_files([*suite.GPU_FILES, "-v"])
@@ -277,6 +300,30 @@ def test_a_narrower_latest_run_is_said_beside_the_widest_one():
         "[record](results/raw/tests/suite/wide.jsonl)): 370 passed, 1 failed, 0 skipped. Failed: `test_x[8]`."
     )
     assert "widest" not in docblocks.gpu_exactness(df.iloc[:1])  # the latest run is the widest: one sentence
+
+
+def test_a_suite_split_in_parts_is_said_as_one_run():
+    """Parts of one engine/ tree's run that ran other files (scripts/device_gpu.sh's tests and tests2)
+    are said as one run: their counts summed, each part's record linked."""
+    base = dict(device="gpu", chip="NVIDIA H100", commit="c", errors=0, failed=0, skipped=1, faulted_after="",
+                not_run="", failures="")  # fmt: skip
+    df = pd.DataFrame(
+        [dict(base, engine_tree="t1", scope="16 test files", paths=16, files=" ".join(suite.GPU_FILES), passed=400,
+              run_id="old"),
+         dict(base, engine_tree="t2", scope="13 test files", paths=13, files=" ".join(suite.GPU_FILES[:13]),
+              passed=283, run_id="a"),
+         dict(base, engine_tree="t2", scope="3 test files", paths=3, files=" ".join(suite.GPU_FILES[13:]),
+              passed=162, run_id="b")]
+    )  # fmt: skip
+    said = docblocks.gpu_exactness(df)
+    assert said == (
+        "The suite's latest run on a GPU (NVIDIA H100, `engine/` tree `t2` at commit `c`, 13 + 3 test files in 2 "
+        "runs, records [1](results/raw/tests/suite/a.jsonl), [2](results/raw/tests/suite/b.jsonl)): 445 passed, "
+        "no failure, 2 skipped."
+    )  # as wide as the widest run: one sentence
+    df.loc[1, "engine_tree"] = "t0"  # parts of two trees are two runs
+    assert docblocks.gpu_exactness(df).startswith("The suite's latest run on a GPU (NVIDIA H100, `engine/` tree `t2` "
+                                                   "at commit `c`, 3 test files, [record]")  # fmt: skip
 
 
 def test_the_readme_carries_the_generated_gpu_sentence():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from .. import suite
 from . import compare_runs
 from .tables.bench import config_slots, measured_default, without_settings
 
@@ -54,10 +55,12 @@ def update(path, blocks: dict) -> bool:
 def _run_said(r) -> str:
     """One GPU run of the suite: where, what it covered, and what it found."""
     verdict = "no failure" if not (r["failed"] or r["errors"]) else f"{r['failed'] + r['errors']} failed"
+    ids = r.get("run_ids") or [r["run_id"]]
+    links = ", ".join(f"[{i + 1}](results/raw/tests/suite/{x}.jsonl)" for i, x in enumerate(ids))
     text = (
         f"({r['chip']}, `engine/` tree `{r['engine_tree']}` at commit `{r['commit']}`, {r['scope']}, "
-        f"[record](results/raw/tests/suite/{r['run_id']}.jsonl)): {r['passed']} passed, {verdict}, "
-        f"{r['skipped']} skipped."
+        + (f"records {links}" if len(ids) > 1 else f"[record](results/raw/tests/suite/{ids[0]}.jsonl)")
+        + f"): {r['passed']} passed, {verdict}, {r['skipped']} skipped."
     )
     faults = [n for n in str(r.get("faulted_after") or "").split("; ") if n]
     not_run = [n for n in str(r.get("not_run") or "").split("; ") if n]
@@ -80,17 +83,33 @@ def _width(r) -> float:
     return float("inf") if r["scope"] == "the whole suite" or paths == 0 else float(paths or 0)
 
 
-def gpu_exactness(suite: pd.DataFrame) -> str:
+def _joined(parts: list) -> dict:
+    """The parts of one split run of the suite as one row: their counts summed, their records listed."""
+    if len(parts) == 1:
+        return parts[0]
+    row = dict(parts[-1], run_ids=[p["run_id"] for p in parts], paths=sum(p["paths"] for p in parts))
+    row["scope"] = " + ".join(p["scope"].split()[0] for p in parts) + f" test files in {len(parts)} runs"
+    for k in ("passed", "failed", "errors", "skipped"):
+        row[k] = sum(p[k] for p in parts)
+    for k in ("failures", "faulted_after", "not_run"):
+        row[k] = "; ".join(str(p[k]) for p in parts if p[k])
+    return row
+
+
+def gpu_exactness(suite_runs: pd.DataFrame) -> str:
     """The README's sentence on the latest run of the test suite on a GPU, and, where that run
     covered less than an earlier one (a check of a fix), on the latest of the widest runs too."""
-    gpu = suite[suite["device"] == "gpu"] if len(suite) else suite
+    gpu = suite_runs[suite_runs["device"] == "gpu"] if len(suite_runs) else suite_runs
     if not len(gpu):
         return (
             "No run of the test suite on a CUDA GPU is recorded yet (`scripts/device_gpu.sh OUT tests` makes one; "
             "[docs/gpu.md](docs/gpu.md#the-test-suite-on-a-gpu))."
         )
-    rows = [r for _, r in gpu.iterrows()]
-    latest, widest = rows[-1], max(_width(r) for r in rows)
+    rows = [r.to_dict() for _, r in gpu.iterrows()]
+    # a suite split in parts where device time was short is said as one run (harness/suite.py)
+    ran = [(r["engine_tree"], suite.files_of(str(r.get("files") or "tests").split())) for r in rows]
+    parts = [rows[i] for i in suite.split_run(ran)]
+    latest, widest = _joined(parts), max(_width(r) for r in rows)
     text = "The suite's latest run on a GPU " + _run_said(latest)
     if _width(latest) < widest:
         wide = [r for r in rows if _width(r) == widest][-1]

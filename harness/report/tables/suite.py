@@ -13,7 +13,7 @@ NOT_RUN = re.compile(r"not run: the device faulted after (\S+)")
 def suite_table(recs):
     """Every recorded run of the test suite (python -m harness suite): where it ran, on which
     engine/ tree, and what it found."""
-    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "paths"]
+    cols = MACHINE + ["engine_tree", "commit", "dirty", "scope", "paths", "files"]
     cols += ["passed", "failed", "errors", "skipped", "xfailed", "seconds"]
     cols += ["failures", "faulted_after", "not_run", "started_utc", "run_id"]
     rows = []
@@ -25,6 +25,7 @@ def suite_table(recs):
                 **machine_cols(r),
                 scope=scope_of(args),
                 paths=0 if whole_suite(args) else len(args),  # 0: every test
+                files=" ".join(args),
                 engine_tree=res["engine_tree"][:12],
                 dirty=r["dirty"],
                 **{k: res[k] for k in ("passed", "failed", "errors", "skipped", "xfailed", "seconds")},
