@@ -12,12 +12,15 @@ from the host tier. Beside them, over the same steps:
 - `beyond`: max(0, named - S), what even slots holding just this step's experts would bring in;
 - `most-named`: a cache that after each step keeps the S experts the most of its rows named
   (ties to the later rows), as a candidate rule;
+- `latest`: one that keeps the experts of the step's latest `S // top-k` rows (the install's rule
+  before `engine.runtime.moe.kept_after_many_rows`);
 - `decayed`: one that keeps the S named by the most rows over the steps so far, each earlier
-  step's count weighed 0.6 times the next's (on `olmoe-tiny-f32`'s 128-token batches at B = 4,
-  S = 16 it brings in about a third fewer than the install: two of the four sequences there name
-  nearly the same experts step after step, and the latest rows are not theirs);
+  step's count weighed 0.6 times the next's (the install's rule now; on `olmoe-tiny-f32`'s
+  128-token batches at B = 4, S = 16 it brings in about a third fewer than `latest`: two of the
+  four sequences there name nearly the same experts step after step, and the latest rows are
+  not theirs);
 - `fewest`: Belady's rule (`harness.manyrows.fewest_misses`), the least any cache of S brings in.
-The install's own rule keeps the latest rows' experts (`engine.runtime.device.cache`). A probe:
+The install's own rule is `kept_after_many_rows`, read here from its slot maps. A probe:
 no record; the printed table is its result. `--trace DIR` also writes each batch's routing,
 DIR/MODEL-B{B}.npz (a layer's decode steps end to end, `layer0`..., and each step's rows,
 `rows0`...: finished sequences leave a batch): what the experts a step names are does not depend
@@ -56,6 +59,13 @@ def _brought(steps: list, slots: int, keep) -> int:
         brought += len(named - held) if t else max(0, len(named) - slots)
         held = keep(inds, held | named)
     return brought
+
+
+def latest(steps: list, slots: int) -> int:
+    """Experts brought in by a cache that keeps, after each step, the experts of its latest
+    `slots // top-k` rows (the device install's rule before `kept_after_many_rows`: a batch's rows
+    reach the switch flattened, so these are its last sequences')."""
+    return _brought(steps, slots, lambda inds, _: set(inds[-max(1, slots // inds.shape[-1]) :].reshape(-1).tolist()))
 
 
 def most_named(steps: list, slots: int) -> int:
@@ -135,6 +145,7 @@ def count(steps: list, batch: int, slots: int, held: list | None = None) -> dict
     row["beyond"] = sum(max(0, len(u) - slots) for layer in named for u in layer) / pairs
     row["install"] = (float("nan") if held is None else
                       sum(len(u - h) for layer, hs in zip(named, held) for u, h in zip(layer, hs)) / pairs)  # fmt: skip
+    row["latest"] = sum(latest(s, slots) for s in steps) / pairs
     row["most_named"] = sum(most_named(s, slots) for s in steps) / pairs
     row["decayed"] = sum(decayed(s, slots) for s in steps) / pairs
     row["fewest"] = sum(fewest_misses(layer, slots) for layer in named) / pairs
@@ -161,12 +172,12 @@ def main():
     if (a.model is None) == (a.replay is None):
         ap.error("give a MODEL or --replay TRACE..., not both")
     print(f"{a.model or 'replayed'}: experts brought in a layer a decode step (means over the steps and layers)")
-    print("B S steps named beyond install most-named decayed fewest")
+    print("B S steps named beyond install latest most-named decayed fewest")
     for source in a.batches if a.replay is None else a.replay:  # a batch size to decode, or a trace
         for s in a.slots:
             r = run(a.model, source, s, a.tokens, a.trace) if a.replay is None else replay(source, s)
             print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
-                  ("named", "beyond", "install", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
+                  ("named", "beyond", "install", "latest", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -286,14 +286,16 @@ def test_the_batch_slots_probe_counts_a_steps_misses_between_the_least_any_cache
     assert out.returncode == 0, out.stderr
     rows = {int(r[0]): [float(x) for x in r[3:]] for r in (line.split() for line in out.stdout.splitlines()[2:])}
     assert set(rows) == {1, 4}
-    for named, beyond, install, most, decayed, fewest in rows.values():
-        assert beyond <= fewest <= min(install, most, decayed) and max(install, most, decayed) <= named
+    for named, beyond, install, latest, most, decayed, fewest in rows.values():
+        rules = (install, latest, most, decayed)
+        assert beyond <= fewest <= min(rules) and max(rules) <= named
     assert rows[1][:2] == [8.0, 0.0] and rows[4][0] > 8
     again = subprocess.run([*probe, "--replay", tmp_path / "olmoe-tiny-f32-B4.npz"], capture_output=True, text=True,
                            timeout=120)  # fmt: skip
     assert again.returncode == 0, again.stderr
     (replayed,) = [[float(x) for x in line.split()[3:]] for line in again.stdout.splitlines()[2:]]
     assert replayed[2] != replayed[2]  # nan: no install ran
+    assert rows[4][2] <= rows[4][3]  # the install's rule brings in no more than keeping the latest rows' experts
     assert replayed[:2] + replayed[3:] == rows[4][:2] + rows[4][3:]
 
 

@@ -311,9 +311,9 @@ def test_device_oracle_prefetch_leaves_no_demand_miss_after_warmup(reference, fi
     assert sum(r["misses"] for r in dec) == 0
 
 
-def test_a_prompt_larger_than_the_table_copies_its_area_and_leaves_its_latest_rows_experts_resident():
-    """A prompt routing to more experts than S: one area a layer, the experts of its latest rows
-    (as many rows as fit) filled into their slots from it, as decoding them would have left them."""
+def test_a_prompt_larger_than_the_table_copies_its_area_and_leaves_its_most_named_experts_resident():
+    """A prompt routing to more experts than S: one area a layer, the S experts most of its rows
+    named (`moe.kept_after_many_rows`) filled into their slots from it."""
     model, tok, _ = load_reference("qwen3moe-tiny")
     from engine.tracing import trace
 
@@ -325,10 +325,12 @@ def test_a_prompt_larger_than_the_table_copies_its_area_and_leaves_its_latest_ro
         try:
             _, records, got = decode(eng.model, ids, 0, keep_logits=True)
             for layer in range(len(eng.cache.slots)):
-                kept = set(np.unique(routed[-2:, layer]).tolist())
+                used, named = np.unique(routed[:, layer], return_counts=True)
+                times = dict(zip(used.tolist(), named.tolist()))
+                kept = set(eng.cache.resident(layer).tolist()) - {-1}
+                assert len(kept) == 16 and min(times[e] for e in kept) >= max(times[e] for e in set(times) - kept)
                 # an empty table: its misses are the kept experts, filled once each
                 assert int(np.array(eng.cache.states[layer].counters)[1]) == len(kept)
-                assert kept == set(eng.cache.resident(layer).tolist()) - {-1}
         finally:
             eng.close()
         assert records[0]["many_rows"] == len(eng.cache.slots)

@@ -53,11 +53,10 @@ def test_a_prompt_larger_than_the_table_is_computed_over_the_area_exactly(refere
 
 
 @pytest.mark.parametrize("slots", [8, 16])
-def test_a_prompt_reads_each_expert_once_and_leaves_its_latest_rows_experts_resident(reference, slots):
+def test_a_prompt_reads_each_expert_once_and_leaves_its_most_named_experts_resident(reference, slots):
     """A prompt whose rows route to more experts than S reads each of a layer's experts once, into
-    the area, and leaves in the table the experts of its latest rows, as many rows as the table
-    holds (S // top_k), as decoding them would have: the first decode step starts warm. The
-    logits stay mlx-lm's."""
+    the area, and leaves in the table the S experts most of its rows named
+    (`moe.kept_after_many_rows`): the first decode step starts warm. The logits stay mlx-lm's."""
     ref = reference("qwen3moe-tiny")
     model, _, _ = registry.load_reference("qwen3moe-tiny")
     routed = trace.record(model, ref["ids"], 0)["experts"]  # (prompt rows, layers, K)
@@ -65,12 +64,14 @@ def test_a_prompt_reads_each_expert_once_and_leaves_its_latest_rows_experts_resi
     try:
         _, records, logits = decode(eng.model, ref["ids"], 0, keep_logits=True)
         for layer, table in enumerate(eng.cache.tables):
-            rows = routed[:, layer]
-            used, kept = np.unique(rows), set(np.unique(rows[-(slots // 8) :]).tolist())
+            used, named = np.unique(routed[:, layer], return_counts=True)
             assert len(used) > slots  # the prompt does not fit: the area ran
+            kept = {int(e) for e in np.flatnonzero(table.slot_of >= 0)}
+            assert len(kept) == slots and kept <= set(used.tolist())
+            times = dict(zip(used.tolist(), named.tolist()))
+            assert min(times[e] for e in kept) >= max(times[e] for e in set(times) - kept)
             # an empty table: each expert read once into the area, the kept ones once more into slots
             assert table.misses == len(used) + len(kept)
-            assert {int(e) for e in np.flatnonzero(table.slot_of >= 0)} == kept
     finally:
         eng.close()
     assert records[0]["many_rows"] == len(eng.cache.tables)
@@ -213,3 +214,54 @@ def test_several_sequences_at_once_are_mlx_lms_batch_bit_for_bit(install):
     assert got[0] == want[0]
     assert got[1] == want[1]  # floats compared exactly
     assert many > 0  # the batch's rows did not fit the table
+
+
+def test_what_the_slots_keep_after_many_rows_is_the_share_of_rows_naming_each_expert_decayed_over_calls():
+    """`moe.kept_after_many_rows`: the S experts on the device (held, or named by the call) named by
+    the largest share of the calls' rows, each earlier call weighed `decay` times less; never one
+    the device does not hold; -1 past the experts with a score; alike over numpy's arrays and MLX's."""
+    from engine.runtime.moe import kept_after_many_rows
+
+    none = mx.zeros((8,), mx.bool_)
+    rows = mx.array([[0, 1], [0, 2], [0, 3], [4, 1]])  # four rows, top 2: 0 named by 3, 1 by 2
+    score, keep = kept_after_many_rows(rows, 2, none, None)
+    assert keep.tolist() == [0, 1] and score.tolist()[:5] == [0.75, 0.5, 0.25, 0.25, 0.25]
+    _, keep = kept_after_many_rows(rows, 6, none, None)
+    assert sorted(keep.tolist()) == [-1, 0, 1, 2, 3, 4]  # five named: the sixth slot keeps no one
+    # expert 5 named by one row of four at every call outlasts expert 6, named by all four once, two calls ago
+    score, every = None, mx.ones((8,), mx.bool_)
+    for call in ([[6, 7]] * 4, [[5, 1], [2, 3], [2, 3], [2, 3]], [[5, 4], [2, 3], [2, 3], [2, 3]]):
+        score, keep = kept_after_many_rows(mx.array(call), 3, every, score, decay=0.3)
+    assert set(keep.tolist()) == {2, 3, 5}
+    # 4, 5 and 6 still have a score, but were neither held nor named: their bytes are not on the device
+    _, keep = kept_after_many_rows(mx.array([[2, 3]] * 4), 4, mx.array([e in (2, 3) for e in range(8)]), score)
+    assert sorted(keep.tolist()) == [-1, -1, 2, 3]
+    # a host install asks with numpy arrays, the device install with MLX's: the same experts kept
+    rng, scores = np.random.default_rng(0), [None, None]
+    for _ in range(50):
+        rows, held = rng.integers(0, 64, (4, 8)), rng.random(64) > 0.7
+        scores[0], kept_np = kept_after_many_rows(rows, 16, held, scores[0])
+        scores[1], kept_mx = kept_after_many_rows(mx.array(rows), 16, mx.array(held), scores[1])
+        assert kept_np.tolist() == kept_mx.tolist()
+
+
+def test_after_a_batched_step_every_install_keeps_the_same_experts():
+    """One rule, asked by every install: after batch_generate's steps the host install's tables and
+    the device install's slot maps hold the same experts in every layer."""
+    from mlx_lm.generate import batch_generate
+
+    _, tok, _ = registry.load_reference("qwen3moe-tiny")
+    prompts = [tok.encode(t) for t in ("def add(a, b):", "import os\n", "class Stack:\n    def push(self", "x")]
+    held = {}
+    for install in (HOST_INSTALL, "device"):
+        eng = load("qwen3moe-tiny", EngineConfig(slots=16, install=install))
+        try:
+            batch_generate(eng.model, tok, prompts, max_tokens=6)
+            c = eng.cache
+            held[install] = [
+                set(np.flatnonzero(c.tables[i].slot_of >= 0).tolist()) if install == HOST_INSTALL
+                else set(c.resident(i).tolist()) - {-1} for i in range(len(c.slots))
+            ]  # fmt: skip
+        finally:
+            eng.close()
+    assert held[HOST_INSTALL] == held["device"] and all(len(h) == 16 for h in held["device"])

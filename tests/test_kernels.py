@@ -216,15 +216,16 @@ def test_the_area_kernel_copies_each_named_expert_from_its_slot_or_the_host_tier
             for e in named:
                 src = slots[i][int(slot_of[e])] if slot_of[e] >= 0 else whole[i][int(e)]
                 assert memoryview(area[i][int(e)]).tobytes() == memoryview(src).tobytes(), (t.name, e)
-    last = mx.array([[2, 11, 5, 3]], mx.uint32)
-    a, fa = map_step_ops(state, last.reshape(-1).astype(mx.int32), S)
-    ours = [mx.array(t) for t in slots]
-    fill_ops(tier, 1, ours, TENSORS, fa, source=area)
-    job = Job(state, last, S, layer=layer, tables=slots, source=tuple(area))
-    ((b, fb),) = kernels.step_kernel([job], tier, TENSORS)
-    assert np.array_equal(np.array(a.block)[: E + 3 * S], np.array(b.block)[: E + 3 * S])
-    for x, y in zip(ours, slots):
-        assert memoryview(x).tobytes() == memoryview(y).tobytes()
+    # the router's latest rows (uint32), and what moe.kept_after_many_rows gives (int32, -1 past the kept)
+    for last in (mx.array([[2, 11, 5, 3]], mx.uint32), mx.array([2, 11, 5, 3] + [-1] * (S - 4), mx.int32)):
+        a, fa = map_step_ops(state, last.reshape(-1).astype(mx.int32), S)
+        ours, theirs = [mx.array(t) for t in slots], [mx.array(t) for t in slots]
+        fill_ops(tier, 1, ours, TENSORS, fa, source=area)
+        job = Job(state, last, S, layer=layer, tables=theirs, source=tuple(area))
+        ((b, fb),) = kernels.step_kernel([job], tier, TENSORS)
+        assert np.array_equal(np.array(a.block)[: E + 3 * S], np.array(b.block)[: E + 3 * S])
+        for x, y in zip(ours, theirs):
+            assert memoryview(x).tobytes() == memoryview(y).tobytes()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..device import device_indices
-from .moe import Cache, Step, StepStats
+from .moe import Cache, Step, StepStats, kept_after_many_rows
 from .slots import SlotTable
 
 # `batched`: a layer's misses are read together (in the decode thread when they are small, on the
@@ -48,6 +48,7 @@ class ExpertCache(Cache):
         self.history = [None] * len(tables)  # per layer, the most recent token's experts
         self.area = None  # the many-rows area (a SlotTable of E slots), made when first needed
         self.area_reader = None  # the last output computed over it
+        self.keep_scores = [None] * len(tables)  # kept_after_many_rows' score of each layer
 
     @property
     def slots(self) -> list:
@@ -108,14 +109,15 @@ class ExpertCache(Cache):
             self.ensure(layer, experts, scores, last)
             return Step(device_indices(table.slot_indices(idx)), routed=indices)
         self.read_area(layer, [int(e) for e in experts])
-        # what the table keeps after the call: the experts of its latest rows, as many rows as fit
-        kept = np.unique(flat[-max(1, table.slots // flat.shape[1]) :])
-        return Step(indices, self.area.buffers, routed=indices, note=(kept, last))
+        # what the table keeps after the call (the rule every install asks)
+        self.keep_scores[layer], keep = kept_after_many_rows(idx, table.slots, table.slot_of >= 0,
+                                                             self.keep_scores[layer])  # fmt: skip
+        return Step(indices, self.area.buffers, routed=indices, note=(np.sort(keep[keep >= 0]), last))
 
     def computed(self, layer: int, x, step: Step, y):
         if step.area is not None:
-            # The decode after a prompt finds the experts of the prompt's last rows resident, as
-            # it would after decoding them. The area is free again once y has been computed.
+            # The decode after a prompt (or a batch's next step) finds what kept_after_many_rows
+            # chose resident. The area is free again once y has been computed.
             kept, last = step.note
             self.ensure(layer, kept, None, last)
             self.area_reader = y

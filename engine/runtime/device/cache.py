@@ -9,7 +9,7 @@ import numpy as np
 
 from ... import device as backend
 from ...device import device_indices
-from ..moe import Cache, Step
+from ..moe import Cache, Step, kept_after_many_rows
 from ..slots import mx_dtype
 from . import hosttier
 from .hosttier import HostTier
@@ -53,6 +53,7 @@ class DeviceCache(Cache):
         self.after = [None] * store.num_layers  # each layer's last SwitchGLU output (kernel mode's ordering)
         self.overlap, self.area_ahead = overlap, area_ahead
         self.ahead = {}  # layer -> its area, copied ahead by the layer before it in this call
+        self.keep_scores = [None] * store.num_layers  # kept_after_many_rows' score of each layer
         self.streams_used = set()  # the prefetch streams this cache queued work on (close waits for them)
         for layer, s in enumerate(per_layer):
             if s == self.num_experts:  # every expert resident: slot e = expert e, filled once
@@ -85,8 +86,8 @@ class DeviceCache(Cache):
                     ahead = (target, pred)
             return Step(self.map_step(layer, indices, ahead), routed=indices, note=target)
         # Rows that may route to more experts than slots: computed over the layer's many-rows area,
-        # which the layer before may have copied already, whole; then the experts of the latest
-        # rows, as many rows as fit, take their slots (from the area), as decoding them would have.
+        # which the layer before may have copied already, whole; then what `kept_after_many_rows`
+        # chooses of the experts on the device takes the slots (from the area).
         area = self.ahead.pop(layer, None)
         if area is None:
             if layer >= 2 and self.after[layer - 2] is not None:
@@ -96,7 +97,9 @@ class DeviceCache(Cache):
                 mx.eval(self.after[layer - 2])
             area = self.area(layer, indices)
         self.stats.many_rows += 1
-        return Step(indices, area, routed=indices, note=mx.contiguous(indices.reshape(-1, k)[-max(1, S // k) :]))
+        self.keep_scores[layer], keep = kept_after_many_rows(indices, S, self.states[layer].slot_of >= 0,
+                                                             self.keep_scores[layer])  # fmt: skip
+        return Step(indices, area, routed=indices, note=keep)
 
     def computed(self, layer: int, x, step: Step, y):
         before, self.after[layer] = self.after[layer], y
@@ -210,7 +213,7 @@ class DeviceCache(Cache):
         return area
 
     def settle(self, layer: int, last: mx.array, area: list, before) -> MapState:
-        """After a many-rows call: the map step of its latest rows `last`, its misses filled from the area."""
+        """After a many-rows call: the map step of the experts it keeps, `last`, its misses filled from the area."""
         S = self.slots[layer]
         if self.mode == "ops":
             state, fill = map_step_ops(self.states[layer], last.reshape(-1).astype(mx.int32), S)
@@ -245,8 +248,8 @@ class DeviceCache(Cache):
         """Every counter over every layer, the bytes read (demand and prefetch) and the evictions,
         from the device counters (`rows`, `counter_rows()` by default: a read back, so ask after a
         token's evaluation, not inside it). A slot is never emptied once filled, so each layer's
-        fills past its first S evicted one. (A many-rows call's area is not counted: its last row's
-        misses are, filled from the area.)"""
+        fills past its first S evicted one. (A many-rows call's area is not counted: the misses of
+        what it keeps are, filled from the area.)"""
         per_layer = np.array(self.counter_rows() if rows is None else rows).astype(np.int64)
         out = dict(zip(COUNTERS, (int(c) for c in per_layer.sum(axis=0))))
         out["bytes_read"] = (out["misses"] + out["issued"]) * self.store.expert_bytes
