@@ -27,6 +27,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from . import provenance, rawlog, records
+from .suite_scope import GPU_FILES, covers_gpu_files, files_of, split_run  # noqa: F401 (asked as suite.X)
 
 GATE, EXPERIMENT = "tests", "suite"
 # Independent tests, spread over the shards one by one (on a GPU each compiles its own kernels).
@@ -41,15 +42,6 @@ SPLIT = (
     "tests/test_serve.py",
 )
 TOGETHER = ("tests/test_workflow.py", "tests/test_harness.py", "tests/test_cli.py")
-# The files whose tests run the engine on the device (exactness at every install and architecture,
-# the kernels, the installs, the server): a GPU run of these (`--gpu-files`) is what says an
-# `engine/` tree is exact on CUDA. The rest test the harness, the workflow and the CLI's text,
-# which the CPU's CI covers; on a GPU they add minutes and nothing the device decides.
-GPU_FILES = tuple(
-    f"tests/test_{name}.py"
-    for name in ("exactness", "devicemap", "staging", "device", "kernels", "use", "slots", "serve", "threads",
-                 "trained", "prefetch", "architectures", "store", "options", "registry", "layout")
-)  # fmt: skip
 IGNORED_PARTS = ("__pycache__",)
 
 
@@ -257,36 +249,6 @@ def keep_failed_logs(work: Path, failed: list, root, name: str) -> Path | None:
         shutil.copy(work / f"shard-{i}.log", keep / f"shard-{i}.log")
     print(f"[suite] the failed shards' logs: {keep}", flush=True)
     return keep
-
-
-def files_of(pytest_args: list) -> frozenset:
-    """The test files a run given `pytest_args` ran every test of: every GPU file for the whole
-    suite, none where it picked tests out (`-k`, `-m`, `--deselect`, `FILE::TEST`)."""
-    if any(a.split("=")[0] in ("-k", "-m", "--deselect") or "::" in a for a in pytest_args):
-        return frozenset()
-    paths = {a.rstrip("/") for a in pytest_args if not a.startswith("-")}
-    return frozenset(GPU_FILES) if not paths or "tests" in paths else frozenset(paths)
-
-
-def covers_gpu_files(pytest_args: list) -> bool:
-    """Whether a run given `pytest_args` ran every test of GPU_FILES: the whole suite or every one
-    of those files, with no test picked out of them."""
-    return set(GPU_FILES) <= files_of(pytest_args)
-
-
-def split_run(runs: list) -> list:
-    """Of runs in the order they ran, each (engine tree, the files it ran whole), the indices of the
-    latest and of those just before it that ran other files of the same tree: a suite split in parts
-    where device time is short (scripts/device_gpu.sh's tests and tests2), which count as one run."""
-    tree, seen = runs[-1][0], set(runs[-1][1])
-    parts = [len(runs) - 1]
-    for i in range(len(runs) - 2, -1, -1):
-        t, files = runs[i]
-        if t != tree or not files or files & seen:
-            break
-        parts.insert(0, i)
-        seen |= files
-    return parts
 
 
 def passing_record(tree: str, raw=None, device="gpu") -> dict | None:

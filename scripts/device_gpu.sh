@@ -6,7 +6,7 @@
 #
 # Usage: TITAN_COMMIT=$(git rev-parse HEAD) scripts/device_gpu.sh OUTDIR STEP...
 #   FULL=ID: the model of `build` and of the steps that say "needs build" (default olmoe-1b-7b-shape)
-#   steps: tests (the GPU files of the test suite, harness/suite.py's GPU_FILES, in SHARDS processes,
+#   steps: tests (the GPU files of the test suite, harness/suite_scope.py's GPU_FILES, in SHARDS processes,
 #   default 8, or the TESTS named, recorded as
 #   results/raw/tests/suite/RUN.jsonl with the engine/ tree it ran on), tests2 (the test files TESTS2
 #   names, a second record: a suite split in two where device time is short), build (the full-size model and its

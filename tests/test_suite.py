@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, needs_git
 
 from harness import rawlog, records, suite
-from harness.report import docblocks
+from harness.report import aggregate, docblocks
 from harness.report.tables import suite as suite_tables
 
 # A full run of `all` names its raw files <commit>[-dirty]-<host alias>...
@@ -324,6 +324,13 @@ def test_a_suite_split_in_parts_is_said_as_one_run():
     df.loc[1, "engine_tree"] = "t0"  # parts of two trees are two runs
     assert docblocks.gpu_exactness(df).startswith("The suite's latest run on a GPU (NVIDIA H100, `engine/` tree `t2` "
                                                    "at commit `c`, 3 test files, [record]")  # fmt: skip
+
+
+def test_a_table_cell_with_quotes_commas_and_line_breaks_reads_back(tmp_path):
+    """A failed test's id can hold a JSON body (quotes and commas): the suite's table still reads back."""
+    ids = ['tests/test_serve.py::test_x[completions-{"prompt": "x", "n": 2}]', "two\nlines", "plain"]
+    aggregate.write(pd.DataFrame({"failures": ids, "n": [1, 2, 3]}), tmp_path / "t.csv", tmp_path / "t.md")
+    assert pd.read_csv(tmp_path / "t.csv")["failures"].tolist() == ids
 
 
 def test_the_readme_carries_the_generated_gpu_sentence():

@@ -7,6 +7,7 @@ own module of `tables/`; the paper's claims against them are claims.py's. A malf
 stops everything with its file and line number.
 """
 
+import csv
 from pathlib import Path
 
 import pandas as pd
@@ -29,10 +30,11 @@ def write(df: pd.DataFrame, out_csv: Path, out_md: Path):
     out_csv.parent.mkdir(parents=True, exist_ok=True)
     cells = [[_fmt(v) for v in row] for row in df.itertuples(index=False)]
     cols = [str(c) for c in df.columns]
-    with open(out_csv, "w") as f:
-        f.write(",".join(cols) + "\n")
-        for row in cells:
-            f.write(",".join('"' + c + '"' if "," in c else c for c in row) + "\n")
+    with open(out_csv, "w", newline="") as f:
+        # the csv module quotes a cell with a comma, a quote or a line break (a test id can hold all three)
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(cells)
     with open(out_md, "w") as f:
         f.write("| " + " | ".join(cols) + " |\n")
         f.write("|" + "---|" * len(cols) + "\n")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import suite
+from .. import suite_scope
 from . import compare_runs
 from .tables.bench import config_slots, measured_default, without_settings
 
@@ -107,8 +107,8 @@ def gpu_exactness(suite_runs: pd.DataFrame) -> str:
         )
     rows = [r.to_dict() for _, r in gpu.iterrows()]
     # a suite split in parts where device time was short is said as one run (harness/suite.py)
-    ran = [(r["engine_tree"], suite.files_of(str(r.get("files") or "tests").split())) for r in rows]
-    parts = [rows[i] for i in suite.split_run(ran)]
+    ran = [(r["engine_tree"], suite_scope.files_of(str(r.get("files") or "tests").split())) for r in rows]
+    parts = [rows[i] for i in suite_scope.split_run(ran)]
     latest, widest = _joined(parts), max(_width(r) for r in rows)
     text = "The suite's latest run on a GPU " + _run_said(latest)
     if _width(latest) < widest:
