@@ -268,8 +268,9 @@ def passing_record(tree: str, raw=None, device="gpu") -> dict | None:
     recs.sort(key=lambda r: r["finished_utc"])
     ran = [(tree, files_of(r["config"].get("pytest_args") or ["tests"])) for r in recs]
     for end in range(len(recs), 0, -1):
-        parts = [recs[i] for i in split_run(ran[:end])]
-        if set(GPU_FILES) <= set().union(*(files for _, files in ran[end - len(parts) : end])):
+        idx = split_run(ran[:end])
+        parts = [recs[i] for i in idx]
+        if set(GPU_FILES) <= set().union(*(ran[i][1] for i in idx)):
             if len(parts) == 1:
                 return parts[0]
             result = dict(parts[-1]["result"])

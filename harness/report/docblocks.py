@@ -106,7 +106,7 @@ def gpu_exactness(suite_runs: pd.DataFrame) -> str:
             "[docs/gpu.md](docs/gpu.md#the-test-suite-on-a-gpu))."
         )
     rows = [r.to_dict() for _, r in gpu.iterrows()]
-    # a suite split in parts where device time was short is said as one run (harness/suite.py)
+    # a suite split in parts where device time was short is said as one run (harness/suite_scope.py)
     ran = [(r["engine_tree"], suite_scope.files_of(str(r.get("files") or "tests").split())) for r in rows]
     parts = [rows[i] for i in suite_scope.split_run(ran)]
     latest, widest = _joined(parts), max(_width(r) for r in rows)
