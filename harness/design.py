@@ -49,19 +49,40 @@ def expert_tensors(hidden: int, width: int, dtype: str):
     return specs
 
 
-def _interleaved_ms(fns: dict, repeats) -> dict:
-    """Each of `fns` timed `repeats` times after a warm-up, one call of each per round in an order
-    that rotates between rounds: per name, the median, min and max in ms."""
+def _calls_per_sample(fn, sample_ms) -> int:
+    """How many calls of `fn` one timed sample makes so that it lasts at least `sample_ms`
+    (doubling, as timeit's autorange does): a single call of a few hundred microseconds on a GPU
+    is at the mercy of one scheduling hiccup, and the claims' ranges are those samples' extremes."""
+    n = 1
+    while n < 1 << 16:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if 1e3 * (time.perf_counter() - t0) >= sample_ms:
+            return n
+        n *= 2
+    return n
+
+
+def _interleaved_ms(fns: dict, repeats, sample_ms=0.0) -> dict:
+    """Each of `fns` timed in `repeats` samples after a warm-up, one sample of each per round in an
+    order that rotates between rounds; a sample is the mean of as many calls as last `sample_ms`
+    together (one call at 0). Per name: the median, min and max in ms a call."""
     names = list(fns)
     for n in names:
         fns[n]()  # warm-up
+    calls = {n: _calls_per_sample(fns[n], sample_ms) for n in names}
     ts = {n: [] for n in names}
     for r in range(repeats):
         for n in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
-            fns[n]()
-            ts[n].append(1e3 * (time.perf_counter() - t0))
-    return {n: dict(ms=statistics.median(v), ms_min=min(v), ms_max=max(v), repeats=repeats) for n, v in ts.items()}
+            for _ in range(calls[n]):
+                fns[n]()
+            ts[n].append(1e3 * (time.perf_counter() - t0) / calls[n])
+    return {
+        n: dict(ms=statistics.median(v), ms_min=min(v), ms_max=max(v), repeats=repeats, calls=calls[n])
+        for n, v in ts.items()
+    }
 
 
 def _slot_writer(table, arrays, record, S, mode):
@@ -81,7 +102,7 @@ def _slot_writer(table, arrays, record, S, mode):
     return write
 
 
-def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0):
+def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0, sample_ms=0.0):
     rng = np.random.default_rng(seed)
     specs = expert_tensors(hidden, width, dtype)
     nbytes = sum(t.nbytes for t in specs)
@@ -94,7 +115,7 @@ def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0):
             mx.eval(arrays)
             tables.append(table)
             writers[S, mode] = _slot_writer(table, arrays, record, S, mode)
-    timed = _interleaved_ms(writers, repeats)
+    timed = _interleaved_ms(writers, repeats, sample_ms)
     out = [
         dict(
             measure="slot_write",
@@ -112,7 +133,7 @@ def slot_write(hidden, width, dtype, slots_list, experts, repeats=20, seed=0):
     return out
 
 
-def kernels(hidden, width, dtype, experts, top_k, repeats=20, seed=0):
+def kernels(hidden, width, dtype, experts, top_k, repeats=20, seed=0, sample_ms=0.0):
     """Per layer, one token: loop of quantized_matmul vs gather_qmm vs restack+gather_qmm."""
     mx.random.seed(seed)
     dt = getattr(mx, dtype)
@@ -148,7 +169,7 @@ def kernels(hidden, width, dtype, experts, top_k, repeats=20, seed=0):
         mx.eval(sub(x, mx.arange(top_k, dtype=mx.uint32)[None]))
 
     timed = _interleaved_ms(
-        {"loop_quantized_matmul": loop, "gather_qmm": gather, "restack_gather_qmm": restack}, repeats
+        {"loop_quantized_matmul": loop, "gather_qmm": gather, "restack_gather_qmm": restack}, repeats, sample_ms
     )
     return [dict(measure="kernel", variant=name, experts=experts, top_k=top_k, **t) for name, t in timed.items()]
 

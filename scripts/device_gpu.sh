@@ -31,7 +31,8 @@
 #   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk; needs build; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
 #   decodes of FULL at LAYER_SLOTS (default 16), with MLX's CUDA graphs and without; needs build; no record),
-#   gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
+#   design (the gpu profile's gate B, DESIGN_RUNS runs, default 3, under the run ids gpu-<commit>-rN;
+#   needs Snakemake), gate_c (the gpu profile's gate C on the full-size model, both prompt sets; needs Snakemake; the
 #   run id is $RUN, default gpu-<commit>; rerunning resumes it), wide (the same for olmoe-wide-trained:
 #   its training on the GPU, routing, predictor quality and gate C sweep; about 3 minutes of training;
 #   PSETS="general" limits it to one prompt set), variants (TESTS in one pytest process a variant of
@@ -226,6 +227,12 @@ for step in "$@"; do
            run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py "${args[@]}" ;;  # MLX's CUDA graphs' share
     memory) run $py -m harness bench throughput --model $full --tokens 16 --repeats 3 --slots 16 32 \
               --installs pinned --overlap on --record ;;
+    design)  # gate B's design, DESIGN_RUNS times (default 3), each a run id of its own (gpu-<commit>-rN):
+             # its claims are decided from the spread over runs
+          for i in $(seq "${DESIGN_RUNS:-3}"); do
+            r=gpu-${TITAN_COMMIT:0:12}-r$i
+            run $py -m snakemake --profile profiles/gpu --config run=$r -- results/raw/B/design/$r.jsonl
+          done ;;
     gate_c) r=${RUN:-gpu-${TITAN_COMMIT:0:12}}
             run $py -m snakemake --profile profiles/gpu --scheduler greedy --config run=$r -- \
               results/raw/C/prefetch_online/$r-$full-page_cache-{general,code}.jsonl ;;

@@ -7,8 +7,9 @@ s = snakemake.params.settings
 
 
 def measure():
-    results = design.slot_write(s["hidden"], s["width"], s["dtype"], s["slots"], s["experts"], s["repeats"])
-    results += design.kernels(s["hidden"], s["width"], s["dtype"], s["experts"], s["top_k"], s["repeats"])
+    shape, timing = (s["hidden"], s["width"], s["dtype"]), dict(repeats=s["repeats"], sample_ms=s["sample_ms"])
+    results = design.slot_write(*shape, s["slots"], s["experts"], **timing)
+    results += design.kernels(*shape, s["experts"], s["top_k"], **timing)
     for m in s["parity_models"]:
         results += design.parity(m, design.PARITY_PROMPT, s["parity_steps"])
     return results
