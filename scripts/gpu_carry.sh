@@ -2,7 +2,8 @@
 # Prepares what the development `device` tool's GPU machine needs for scripts/device_gpu.sh, as
 # three carries (its image has Python 3.12 and CUDA 13 but no registry; docs/gpu.md, "Next on a GPU"):
 #   .gpu1  the first part of MLX's CUDA wheel          call 1: cp .gpu1/part.aa /root/part.aa
-#   .gpu3  Snakemake and the engine's other imports    call 2: mkdir -p /root/gpu3 && cp .gpu3/*.whl /root/gpu3/
+#   .gpu3  Snakemake and the engine's other imports,   call 2: mkdir -p /root/gpu3 && cp .gpu3/* /root/gpu3/
+#          the CUDA wheel's last part
 #          (with resources/ptx-cache.tgz where an earlier run's OUTDIR/ptx.tgz was kept: MLX's compiled
 #          kernels, which scripts/device_gpu.sh primes its cache with)
 #   .gpu2  the wheel's second part, mlx, mlx-lm        call 3: bash .gpu2/install.sh && python3 -m pip install -q \
@@ -32,6 +33,14 @@ for w in .gpu2/*.whl; do
     *) mv "$w" .gpu3/ ;;
   esac
 done
+# The wheel script splits MLX's CUDA part in two of 38 MiB, which with the tree (26 MiB and
+# growing with results/raw) left call 1 at the limit; three parts of at most 30 MiB, the last
+# in .gpu3, which call 2 puts in /root/gpu3.
+cat .gpu1/part.aa .gpu2/part.ab > .gpu1/cuda.tar.xz && rm .gpu1/part.aa .gpu2/part.ab
+(cd .gpu1 && split -b 30m cuda.tar.xz part. && rm cuda.tar.xz)
+mv .gpu1/part.ab .gpu2/ && mv .gpu1/part.a[c-z] .gpu3/
+grep -q '^cat /root/part.aa "$here"/part.ab |' .gpu2/install.sh || { echo ".gpu2/install.sh: no join of two parts" >&2; exit 1; }
+sed -i 's|^cat /root/part.aa "$here"/part.ab |cat /root/part.aa "$here"/part.ab /root/gpu3/part.a[c-z] |' .gpu2/install.sh
 mib() { echo $((($1 + 1048575) / 1048576)); }
 # What a call takes along besides its carry: tracked files and untracked ones git does not ignore.
 tree=$( (git ls-files -z; git ls-files -z -o --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
