@@ -28,7 +28,8 @@
 #   batchslots (scripts/probe_batch_slots.py on FULL: a batched decode step's misses a layer beside
 #   the fewest any cache of the same slots allows; needs build; no record),
 #   probe (scripts/probe_exactness.py on FULL, with MLX's CUDA graphs and without; needs build; no record),
-#   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk; needs build; no record),
+#   peak (scripts/probe_peak.py on FULL: resident's peak memory by prompt and prefill chunk, as is and with a
+#   prompt's layers in flight bounded to two; needs build; no record),
 #   layer (scripts/probe_layer_cost.py: the device install's layer step taken apart, pipelined
 #   decodes of FULL at LAYER_SLOTS (default 16), with MLX's CUDA graphs and without; needs build; no record),
 #   design (the gpu profile's gate B, DESIGN_RUNS runs, default 3, under the run ids gpu-<commit>-rN;
@@ -221,7 +222,8 @@ for step in "$@"; do
           run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_exactness.py $full ${PROBE:-4 quarter,full} ;;
     peak)  # where resident's peak memory goes over a prompt, by prompt and prefill chunk
            # (scripts/probe_peak.py on FULL; PEAK="PROMPT_TOKENS ..."; needs build; no record)
-          run $py scripts/probe_peak.py $full ${PEAK:-16 512 2048} ;;
+          run $py scripts/probe_peak.py $full ${PEAK:-16 512 2048}
+          run $py scripts/probe_peak.py $full ${PEAK:-16 512 2048} --bound-layers 2 ;;  # layers in flight bounded
     layer) args=("$full" "${LAYER_TOKENS:-64}" "${LAYER_ROUNDS:-5}" "${LAYER_SLOTS:-16}")  # needs build
            run $py scripts/probe_layer_cost.py "${args[@]}"
            run env MLX_USE_CUDA_GRAPHS=0 $py scripts/probe_layer_cost.py "${args[@]}" ;;  # MLX's CUDA graphs' share
