@@ -19,7 +19,10 @@ from the host tier. Beside them, over the same steps:
   128-token batches at B = 4, S = 16 it brings in about a third fewer than `latest`: two of the
   four sequences there name nearly the same experts step after step, and the latest rows are
   not theirs);
-- `fewest`: Belady's rule (`harness.manyrows.fewest_misses`), the least any cache of S brings in.
+- `fewest`: Belady's rule (`harness.manyrows.fewest_misses`), the least any cache of S brings in;
+- of `decayed`'s, those the step before named at the layer, and what an area copied ahead from
+  the step before's experts would read (`decayed_ahead`: whether such a copy, overlapping the
+  layer before's compute, could take a batched step's misses off its path).
 The install's own rule is `kept_after_many_rows`, read here from its slot maps. A probe:
 no record; the printed table is its result. `--trace DIR` also writes each batch's routing,
 DIR/MODEL-B{B}.npz (a layer's decode steps end to end, `layer0`..., and each step's rows,
@@ -97,6 +100,30 @@ def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
     return _brought(steps, slots, keep)
 
 
+def decayed_ahead(steps: list, slots: int, decay: float = 0.6) -> tuple:
+    """`decayed`'s experts brought in, split by whether the step before named them at this layer:
+    (brought, of those named the step before, read ahead). An area copied ahead, during the layer
+    before's compute, from what the step before named here and no slot holds (all that is known
+    of this step's rows then) would bring those off the step's own path, at the cost of reading
+    every such expert, `read ahead`, named again or not (no other figure: nothing is timed)."""
+    score, held, out = Counter(), set(), [0, 0, 0]
+    for t, inds in enumerate(steps):
+        named = set(inds.reshape(-1).tolist())
+        if t:
+            ahead = set(steps[t - 1].reshape(-1).tolist()) - held
+            brought = named - held
+            out[0] += len(brought)
+            out[1] += len(brought & ahead)
+            out[2] += len(ahead)
+        else:
+            out[0] += max(0, len(named) - slots)
+        for e in score:
+            score[e] *= decay
+        score.update(inds.reshape(-1).tolist())
+        held = set(sorted(held | named, key=lambda e: (-score[e], e))[:slots])
+    return tuple(out)
+
+
 def run(model_id: str, batch: int, slots: int, tokens: int, trace: Path | None = None) -> dict:
     engine = load(model_id, EngineConfig(slots=slots, install="device"))
     try:
@@ -149,6 +176,9 @@ def count(steps: list, batch: int, slots: int, held: list | None = None) -> dict
     row["most_named"] = sum(most_named(s, slots) for s in steps) / pairs
     row["decayed"] = sum(decayed(s, slots) for s in steps) / pairs
     row["fewest"] = sum(fewest_misses(layer, slots) for layer in named) / pairs
+    ahead = np.array([decayed_ahead(s, slots) for s in steps]).sum(axis=0) / pairs
+    row["ahead_named"], row["ahead_read"] = ahead[1], ahead[2]
+    assert abs(ahead[0] - row["decayed"]) < 1e-9, "decayed_ahead counts as decayed does"
     return row
 
 
@@ -172,12 +202,15 @@ def main():
     if (a.model is None) == (a.replay is None):
         ap.error("give a MODEL or --replay TRACE..., not both")
     print(f"{a.model or 'replayed'}: experts brought in a layer a decode step (means over the steps and layers)")
-    print("B S steps named beyond install latest most-named decayed fewest")
+    print(
+        "B S steps named beyond install latest most-named decayed fewest | decayed's named the step before, read ahead"
+    )
     for source in a.batches if a.replay is None else a.replay:  # a batch size to decode, or a trace
         for s in a.slots:
             r = run(a.model, source, s, a.tokens, a.trace) if a.replay is None else replay(source, s)
             print(f"{r['B']} {r['S']} {r['steps']} " + " ".join(f"{r[k]:.2f}" for k in
-                  ("named", "beyond", "install", "latest", "most_named", "decayed", "fewest")), flush=True)  # fmt: skip
+                  ("named", "beyond", "install", "latest", "most_named", "decayed", "fewest")) +
+                  f" | {r['ahead_named']:.2f} {r['ahead_read']:.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
