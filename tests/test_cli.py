@@ -278,22 +278,32 @@ def test_the_batch_slots_probe_counts_a_steps_misses_between_the_least_any_cache
     """scripts/probe_batch_slots.py (docs/gpu.md: where a batched step's time goes), on the CPU:
     the device install's misses a layer a step, read from its slot maps, lie between the fewest
     any cache of S allows (Belady's rule) and every expert the rows named; no S slots bring in
-    fewer than a step's experts beyond S; one row names its top-k. The routing it traces, replayed
-    without the model, counts every rule alike (the install's column aside, which needs the model)."""
+    fewer than a step's experts beyond S; one row names its top-k. Of the decayed rule's, those the
+    step before named are no more than it brings in, nor than an area copied ahead from the step
+    before reads. The routing it traces, replayed without the model, counts every rule alike (the
+    install's column aside, which needs the model)."""
     probe = [sys.executable, ROOT / "scripts" / "probe_batch_slots.py"]
     out = subprocess.run([*probe, "olmoe-tiny-f32", "--batches", "1", "4", "--tokens", "8", "--trace", tmp_path],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    rows = {int(r[0]): [float(x) for x in r[3:]] for r in (line.split() for line in out.stdout.splitlines()[2:])}
+
+    def table(stdout):
+        lines = [line.split("|") for line in stdout.splitlines()[2:]]
+        return [([float(x) for x in left.split()], [float(x) for x in right.split()]) for left, right in lines]
+
+    parsed = {int(left[0]): (left[3:], right) for left, right in table(out.stdout)}
+    rows = {b: r for b, (r, _) in parsed.items()}
     assert set(rows) == {1, 4}
-    for named, beyond, install, latest, most, decayed, fewest in rows.values():
+    for (named, beyond, install, latest, most, decayed, fewest), (before, ahead) in parsed.values():
         rules = (install, latest, most, decayed)
         assert beyond <= fewest <= min(rules) and max(rules) <= named
+        assert before <= decayed and before <= ahead
     assert rows[1][:2] == [8.0, 0.0] and rows[4][0] > 8
     again = subprocess.run([*probe, "--replay", tmp_path / "olmoe-tiny-f32-B4.npz"], capture_output=True, text=True,
                            timeout=120)  # fmt: skip
     assert again.returncode == 0, again.stderr
-    (replayed,) = [[float(x) for x in line.split()[3:]] for line in again.stdout.splitlines()[2:]]
+    ((replayed, replayed_ahead),) = [(left[3:], right) for left, right in table(again.stdout)]
+    assert replayed_ahead == parsed[4][1]
     assert replayed[2] != replayed[2]  # nan: no install ran
     assert rows[4][2] <= rows[4][3]  # the install's rule brings in no more than keeping the latest rows' experts
     assert replayed[:2] + replayed[3:] == rows[4][:2] + rows[4][3:]
