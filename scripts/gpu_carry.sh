@@ -48,8 +48,10 @@ over=0
 for d in .gpu1 .gpu3 .gpu2; do
   size=$(($(du -sb "$d" | cut -f1) + tree))
   [[ $d == .gpu3 && -f resources/ptx-cache.tgz ]] && size=$((size + $(du -sb resources/ptx-cache.tgz | cut -f1)))
-  echo "call with $d: $(mib "$size") MiB of 64 (the tree $(mib "$tree") MiB)"
-  ((size <= 64 * 1048576)) || over=1
+  echo "call with $d: $(mib "$size") MiB of 62 (the tree $(mib "$tree") MiB)"
+  # 62, not the limit's 64: the device tool counts what travels its own way, and refused a call
+  # this sum put at 63.7 MiB (2026-12-08)
+  ((size <= 62 * 1048576)) || over=1
 done
 ((over == 0)) || { echo "a call is over 64 MiB: move wheels from .gpu2 to .gpu3, or carry less" >&2; exit 1; }
 echo "ready: the three calls above, in that order, within 30 s of each other (the machine goes cold)"
