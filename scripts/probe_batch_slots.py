@@ -51,17 +51,23 @@ from engine.runtime.moe import SlotSwitchGLU, engine_layers  # noqa: E402
 from harness.manyrows import fewest_misses  # noqa: E402
 
 
-def _brought(steps: list, slots: int, keep) -> int:
-    """Experts brought in over `steps` (each step's (rows, top-k) indices) by a cache that holds,
-    after each step, what `keep(inds, on_device)` returns of the experts then on the device (those it
-    held and those the step brought); the first step brings in only what it names beyond `slots`
-    (as warm a start as `fewest_misses` gives itself)."""
-    held, brought = set(), 0
-    for t, inds in enumerate(steps):
+def _walk(steps: list, keep):
+    """Each step's named experts and those a cache held before it, the cache holding after each
+    step what `keep(inds, on_device)` returns of the experts then on the device (those it held
+    and those the step brought)."""
+    held = set()
+    for inds in steps:
         named = set(inds.reshape(-1).tolist())
-        brought += len(named - held) if t else max(0, len(named) - slots)
+        yield named, held
         held = keep(inds, held | named)
-    return brought
+
+
+def _brought(steps: list, slots: int, keep) -> int:
+    """Experts brought in over `steps` (each step's (rows, top-k) indices) by a cache that keeps
+    what `keep` returns (`_walk`); the first step brings in only what it names beyond `slots` (as
+    warm a start as `fewest_misses` gives itself)."""
+    return sum(len(named - held) if t else max(0, len(named) - slots)
+               for t, (named, held) in enumerate(_walk(steps, keep)))  # fmt: skip
 
 
 def latest(steps: list, slots: int) -> int:
@@ -85,10 +91,9 @@ def most_named(steps: list, slots: int) -> int:
     return _brought(steps, slots, keep)
 
 
-def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
-    """Experts brought in by a cache that keeps, after each step, the `slots` experts on the device
-    with the most rows naming them over the steps so far, each earlier step's count weighed `decay`
-    times less (a least-frequently-used rule that forgets)."""
+def _decayed_keep(slots: int, decay: float):
+    """`decayed`'s keep: the `slots` experts on the device with the most rows naming them over the
+    steps so far, each earlier step's count weighed `decay` times less."""
     score = Counter()
 
     def keep(inds, on_device):
@@ -97,31 +102,31 @@ def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
         score.update(inds.reshape(-1).tolist())
         return set(sorted(on_device, key=lambda e: (-score[e], e))[:slots])
 
-    return _brought(steps, slots, keep)
+    return keep
+
+
+def decayed(steps: list, slots: int, decay: float = 0.6) -> int:
+    """Experts brought in by a cache that keeps, after each step, the `slots` experts on the device
+    with the most rows naming them over the steps so far, each earlier step's count weighed `decay`
+    times less (a least-frequently-used rule that forgets)."""
+    return _brought(steps, slots, _decayed_keep(slots, decay))
 
 
 def decayed_ahead(steps: list, slots: int, decay: float = 0.6) -> tuple:
-    """`decayed`'s experts brought in, split by whether the step before named them at this layer:
-    (brought, of those named the step before, read ahead). An area copied ahead, during the layer
-    before's compute, from what the step before named here and no slot holds (all that is known
-    of this step's rows then) would bring those off the step's own path, at the cost of reading
-    every such expert, `read ahead`, named again or not (no other figure: nothing is timed)."""
-    score, held, out = Counter(), set(), [0, 0, 0]
-    for t, inds in enumerate(steps):
-        named = set(inds.reshape(-1).tolist())
-        if t:
-            ahead = set(steps[t - 1].reshape(-1).tolist()) - held
-            brought = named - held
-            out[0] += len(brought)
-            out[1] += len(brought & ahead)
-            out[2] += len(ahead)
-        else:
-            out[0] += max(0, len(named) - slots)
-        for e in score:
-            score[e] *= decay
-        score.update(inds.reshape(-1).tolist())
-        held = set(sorted(held | named, key=lambda e: (-score[e], e))[:slots])
-    return tuple(out)
+    """Of `decayed`'s experts brought in, those the step before named at this layer, and what an
+    area copied ahead from the step before's experts would read: (named the step before, read
+    ahead). Such an area, copied during the layer before's compute from what the step before named
+    here and no slot holds (all that is known of this step's rows then), would bring the first
+    off the step's own path, at the cost of reading all of the second, named again or not
+    (no other figure: nothing is timed)."""
+    before, read, last = 0, 0, None
+    for named, held in _walk(steps, _decayed_keep(slots, decay)):
+        if last is not None:
+            ahead = last - held
+            before += len((named - held) & ahead)
+            read += len(ahead)
+        last = named
+    return before, read
 
 
 def run(model_id: str, batch: int, slots: int, tokens: int, trace: Path | None = None) -> dict:
@@ -176,9 +181,7 @@ def count(steps: list, batch: int, slots: int, held: list | None = None) -> dict
     row["most_named"] = sum(most_named(s, slots) for s in steps) / pairs
     row["decayed"] = sum(decayed(s, slots) for s in steps) / pairs
     row["fewest"] = sum(fewest_misses(layer, slots) for layer in named) / pairs
-    ahead = np.array([decayed_ahead(s, slots) for s in steps]).sum(axis=0) / pairs
-    row["ahead_named"], row["ahead_read"] = ahead[1], ahead[2]
-    assert abs(ahead[0] - row["decayed"]) < 1e-9, "decayed_ahead counts as decayed does"
+    row["ahead_named"], row["ahead_read"] = np.array([decayed_ahead(s, slots) for s in steps]).sum(axis=0) / pairs
     return row
 
 
